@@ -1,0 +1,175 @@
+#include "gemm_driver.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace w8a8_cpu {
+namespace {
+
+constexpr int64_t kAlign = 64;
+constexpr int kMaxTileElems = 64 * 16;  // mr * nr bound for the int32 tile on the stack
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+int64_t a_row_stride(const MicroKernel& kernel, int64_t k_padded) {
+  return round_up(k_padded * static_cast<int64_t>(kernel.a_elem_bytes), kAlign);
+}
+
+}  // namespace
+
+void serial_for(int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+  if (begin < end) body(begin, end);
+}
+
+int64_t packed_weight_nbytes(int64_t n, int64_t k, int nr) {
+  const int64_t n_padded = round_up(n, nr), k_padded = round_up(k, kPackKR);
+  return static_cast<int64_t>(sizeof(PackedWeightHeader)) + n_padded * k_padded + n_padded * 4;
+}
+
+bool kernel_reads_nr(const MicroKernel& kernel, int nr) { return kernel.reads_any_nr || kernel.nr == nr; }
+
+void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
+                 const ParallelFor& parallel_for) {
+  const int nr = kernel.nr;
+  PackedWeightHeader header{};
+  std::memcpy(header.magic, kPackedMagic, sizeof kPackedMagic);
+  header.version = kPackedVersion;
+  header.nr = static_cast<uint32_t>(nr);
+  header.n = n;
+  header.k = k;
+  header.n_padded = round_up(n, nr);
+  header.k_padded = round_up(k, kPackKR);
+  std::strncpy(header.packed_by, kernel.name, sizeof header.packed_by - 1);
+  std::memcpy(blob, &header, sizeof header);
+  auto* panels = reinterpret_cast<int8_t*>(blob + sizeof header);
+  auto* col_sums = reinterpret_cast<int32_t*>(panels + header.n_padded * header.k_padded);
+  const int64_t panel_bytes = header.k_padded * nr;
+  parallel_for(0, header.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int8_t* panel = panels + p * panel_bytes;
+      for (int j = 0; j < nr; ++j) {
+        const int64_t row = p * nr + j;
+        int32_t sum = 0;
+        for (int64_t kk = 0; kk < header.k_padded; ++kk) {
+          const int8_t v = (row < n && kk < k) ? w[row * ldw + kk] : 0;
+          panel[(kk / kPackKR) * nr * kPackKR + j * kPackKR + kk % kPackKR] = v;
+          sum += v;
+        }
+        col_sums[row] = sum;
+      }
+    }
+  });
+}
+
+PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const char* arg) {
+  const std::string name(arg);
+  PackedWeightHeader h;
+  if (nbytes < static_cast<int64_t>(sizeof h))
+    throw std::invalid_argument(name + ": a 1-D uint8 tensor of " + std::to_string(nbytes) +
+                                " bytes is too short to be a packed weight (expected the output of pack_weight)");
+  std::memcpy(&h, blob, sizeof h);
+  if (std::memcmp(h.magic, kPackedMagic, sizeof kPackedMagic) != 0)
+    throw std::invalid_argument(name + ": 1-D uint8 tensor is not a packed weight (bad magic); pass the output of "
+                                "pack_weight or a raw int8 [N, K] weight");
+  if (h.version != kPackedVersion)
+    throw std::invalid_argument(name + ": packed weight format version " + std::to_string(h.version) +
+                                " is not supported (this build reads version " + std::to_string(kPackedVersion) +
+                                "); re-pack the raw weight with pack_weight");
+  if (h.nr == 0 || h.n < 0 || h.k < 0 || h.n_padded != round_up(h.n, h.nr) ||
+      h.k_padded != round_up(h.k, kPackKR) || nbytes != packed_weight_nbytes(h.n, h.k, static_cast<int>(h.nr)))
+    throw std::invalid_argument(name + ": packed weight header is inconsistent with its size (corrupted or "
+                                "truncated blob)");
+  const auto* panels = reinterpret_cast<const int8_t*>(blob + sizeof h);
+  return {reinterpret_cast<const PackedWeightHeader*>(blob), panels,
+          reinterpret_cast<const int32_t*>(panels + h.n_padded * h.k_padded)};
+}
+
+int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
+                      int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for) {
+  const int64_t elem_bytes = kind == FloatKind::f32 ? 4 : 2;
+  std::atomic<int64_t> first_bad{m};
+  parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const void* row = static_cast<const char*>(x) + r * ldx * elem_bytes;
+      const uint32_t amax_bits = kernel.row_absmax_bits(row, kind, k);
+      if (amax_bits >= 0x7f800000u) {
+        int64_t seen = first_bad.load();
+        while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
+        }
+        continue;
+      }
+      float amax;
+      std::memcpy(&amax, &amax_bits, 4);
+      amax = std::max(amax, kAmaxEps);
+      scales[r] = amax / 127.f;
+      kernel.quantize_row(row, kind, k, 127.f / amax, q + r * ldq);
+    }
+  });
+  const int64_t bad = first_bad.load();
+  return bad < m ? bad : -1;
+}
+
+int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k) {
+  return m * a_row_stride(kernel, round_up(k, kPackKR));
+}
+
+void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const float* a_scales,
+          const PackedWeightView& w, const float* w_scales, const float* bias, void* out, FloatKind out_kind,
+          int64_t ldo, void* scratch, const ParallelFor& parallel_for) {
+  const PackedWeightHeader& h = *w.header;
+  const int nr = static_cast<int>(h.nr), mr = kernel.mr;
+  if (!kernel_reads_nr(kernel, nr))
+    throw std::invalid_argument(std::string("w: weight was packed by the '") + h.packed_by + "' variant (panel width " +
+                                std::to_string(nr) + "), which the active '" + kernel.name +
+                                "' variant cannot read; re-pack it with pack_weight under the active variant");
+  if (mr * nr > kMaxTileElems) throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
+  if (m == 0 || h.n == 0) return;
+
+  // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
+  const int64_t a_stride = a_row_stride(kernel, h.k_padded);
+  auto* a_packed = static_cast<uint8_t*>(scratch);
+  parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(h.k_padded, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kernel.pack_a_row(a + r * lda, h.k, h.k_padded, a_packed + r * a_stride);
+  });
+
+  // Tasks are (panel, block of rows), panel-major: a thread's contiguous share of tasks is a contiguous
+  // slice of the weight, streamed once (decode), reused from cache across its row blocks (prefill).
+  // Every output element is produced by one tile call over the full K, so results do not depend on
+  // how tasks are split among threads.
+  const int64_t rows_per_block = std::min<int64_t>(round_up(m, mr), 8 * mr);
+  const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
+  const int64_t panels = h.n_padded / nr;
+  const int64_t panel_bytes = h.k_padded * nr;
+  const int64_t macs_per_task = rows_per_block * panel_bytes;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(macs_per_task, 1));
+  const int64_t out_elem = out_kind == FloatKind::f32 ? 4 : 2;
+  parallel_for(0, panels * row_blocks, grain, [&](int64_t t0, int64_t t1) {
+    int32_t c[kMaxTileElems];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t / row_blocks, rb = t % row_blocks;
+      const int8_t* panel = w.panels + p * panel_bytes;
+      const int32_t* sums = w.col_sums + p * nr;
+      const int64_t n0 = p * nr, cols = std::min<int64_t>(nr, h.n - n0);
+      const int64_t r_end = std::min(m, (rb + 1) * rows_per_block);
+      for (int64_t r = rb * rows_per_block; r < r_end; r += mr) {
+        const int rows = static_cast<int>(std::min<int64_t>(mr, r_end - r));
+        kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel, sums, nr, h.k_padded, c);
+        for (int i = 0; i < rows; ++i) {
+          const float a_scale = a_scales[r + i];
+          void* out_row = static_cast<char*>(out) + (r + i) * ldo * out_elem;
+          for (int64_t j = 0; j < cols; ++j) {
+            // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
+            float v = static_cast<float>(c[i * nr + j]) * (a_scale * w_scales[n0 + j]);
+            if (bias) v += bias[n0 + j];
+            store_from_float(out_row, out_kind, n0 + j, v);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace w8a8_cpu

@@ -1,0 +1,65 @@
+// Portable reference variant: scalar, exact, runs on every CPU. Also the ground truth the C++ tests use.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "microkernel.h"
+#include "ref_kernel.h"
+
+namespace w8a8_cpu {
+namespace {
+
+void ref_pack_a_row(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
+  auto* out = static_cast<int8_t*>(dst);
+  std::memcpy(out, a, static_cast<size_t>(k));
+  std::memset(out + k, 0, static_cast<size_t>(k_padded - k));
+}
+
+}  // namespace
+
+void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, int nr,
+              int64_t k_padded, int32_t* c) {
+  for (int i = 0; i < m; ++i) {
+    const auto* ai = static_cast<const int8_t*>(a) + i * a_row_stride;
+    for (int j = 0; j < nr; ++j) {
+      int32_t acc = 0;
+      for (int64_t k = 0; k < k_padded; ++k)
+        acc += int32_t{ai[k]} * panel[(k / kPackKR) * nr * kPackKR + j * kPackKR + k % kPackKR];
+      c[i * nr + j] = acc;
+    }
+  }
+}
+
+uint32_t ref_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    uint32_t b;
+    const float v = load_as_float(x, kind, i);
+    std::memcpy(&b, &v, 4);
+    m = std::max(m, b & 0x7fffffffu);
+  }
+  return m;
+}
+
+void ref_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q) {
+  for (int64_t i = 0; i < k; ++i) {
+    // nearbyint rounds half to even in the default FP environment, like cvtps2dq / fcvtns / xvrspic.
+    const float r = std::nearbyint(load_as_float(x, kind, i) * inv_scale);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+}
+
+const MicroKernel kRefKernel = {
+    /*name=*/"ref",
+    /*required_features=*/0,
+    /*nr=*/kRefNr,
+    /*reads_any_nr=*/true,
+    /*mr=*/4,
+    /*a_elem_bytes=*/1,
+    ref_pack_a_row,
+    ref_tile,
+    ref_row_absmax_bits,
+    ref_quantize_row,
+};
+
+}  // namespace w8a8_cpu

@@ -1,0 +1,19 @@
+// The portable reference variant, and the pieces of it other variants and the driver reuse.
+#pragma once
+
+#include "microkernel.h"
+
+namespace w8a8_cpu {
+
+// Panel width of the layout the reference variant packs. The reference tile reads any panel width, so a
+// weight packed by any variant can be checked against it.
+constexpr int kRefNr = 16;
+
+extern const MicroKernel kRefKernel;
+
+void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, int nr,
+              int64_t k_padded, int32_t* c);
+uint32_t ref_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
+void ref_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
+
+}  // namespace w8a8_cpu

@@ -1,0 +1,80 @@
+#include "registry.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "ref_kernel.h"
+
+namespace w8a8_cpu {
+
+// Each variant lives in its own translation unit, compiled with its own ISA flags, and exists only
+// when CMake found a compiler that supports them (the W8A8_CPU_HAVE_* guards).
+#ifdef W8A8_CPU_HAVE_AVX2
+extern const MicroKernel kAvx2Kernel;
+#endif
+#ifdef W8A8_CPU_HAVE_AVX512VNNI
+extern const MicroKernel kAvx512VnniKernel;
+#endif
+
+const std::vector<const MicroKernel*>& compiled_kernels() {
+  static const std::vector<const MicroKernel*> kernels = {
+      &kRefKernel,
+#ifdef W8A8_CPU_HAVE_AVX2
+      &kAvx2Kernel,
+#endif
+#ifdef W8A8_CPU_HAVE_AVX512VNNI
+      &kAvx512VnniKernel,
+#endif
+  };
+  return kernels;
+}
+
+bool cpu_supports(const MicroKernel& kernel) {
+  return (cpu_features() & kernel.required_features) == kernel.required_features;
+}
+
+namespace {
+
+const MicroKernel& checked_kernel(const std::string& name, const char* source) {
+  std::string choices;
+  for (const MicroKernel* k : compiled_kernels()) {
+    if (!choices.empty()) choices += ", ";
+    choices += k->name;
+    if (!cpu_supports(*k)) choices += " (not supported by this CPU)";
+  }
+  for (const MicroKernel* k : compiled_kernels()) {
+    if (name != k->name) continue;
+    if (!cpu_supports(*k))
+      throw std::invalid_argument(std::string(source) + "='" + name + "': this CPU lacks the features the '" +
+                                  name + "' variant needs; choices: " + choices);
+    return *k;
+  }
+  throw std::invalid_argument(std::string(source) + "='" + name + "' is not a variant compiled into this " +
+                              target_arch() + " build; choices: " + choices);
+}
+
+const MicroKernel& initial_kernel() {
+  if (const char* forced = std::getenv("W8A8_CPU_ISA"); forced && *forced)
+    return checked_kernel(forced, "W8A8_CPU_ISA");
+  const MicroKernel* best = &kRefKernel;
+  for (const MicroKernel* k : compiled_kernels())
+    if (cpu_supports(*k)) best = k;
+  return *best;
+}
+
+std::atomic<const MicroKernel*>& active_slot() {
+  static std::atomic<const MicroKernel*> slot{&initial_kernel()};
+  return slot;
+}
+
+}  // namespace
+
+const MicroKernel& active_kernel() { return *active_slot().load(std::memory_order_acquire); }
+
+void set_active_kernel(const std::string& name) {
+  active_slot().store(&checked_kernel(name, "variant"), std::memory_order_release);
+}
+
+}  // namespace w8a8_cpu

@@ -1,0 +1,235 @@
+// The thin torch layer: validates inputs, allocates, parallelises with at::parallel_for, registers
+// torch.ops.w8a8_cpu.*. All arithmetic lives in the driver and the micro-kernels.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <sstream>
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "gemm_driver.h"
+#include "registry.h"
+
+namespace w8a8_cpu {
+namespace {
+
+const ParallelFor kTorchParallelFor = [](int64_t begin, int64_t end, int64_t grain,
+                                         const std::function<void(int64_t, int64_t)>& body) {
+  at::parallel_for(begin, end, grain, body);
+};
+
+// Driver errors (std::invalid_argument) surface in Python as ValueError with the driver's message.
+template <typename F>
+auto as_value_errors(F&& f) {
+  try {
+    return f();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+FloatKind float_kind(at::ScalarType t, const char* arg) {
+  switch (t) {
+    case at::kFloat: return FloatKind::f32;
+    case at::kBFloat16: return FloatKind::bf16;
+    case at::kHalf: return FloatKind::f16;
+    default: TORCH_CHECK_VALUE(false, arg, ": dtype must be float32, bfloat16 or float16, got ", t);
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), arg, ": expected a CPU tensor, got device ", t.device());
+}
+
+// A 2-D row-major operand: last dim contiguous (rows may be strided).
+void check_rows(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(t.dim() == 2, arg, ": expected a 2-D tensor, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, arg,
+                    ": last dimension must be contiguous (stride 1), got strides ", t.strides(),
+                    "; call .contiguous() first");
+}
+
+void check_k(int64_t k, const char* arg) {
+  TORCH_CHECK_VALUE(k > 0, arg, ": K (last dim) must be > 0");
+  TORCH_CHECK_VALUE(k <= kMaxK, arg, ": K = ", k, " exceeds ", kMaxK,
+                    ", the largest K whose int32 accumulation cannot overflow");
+}
+
+// Per-row fp32 scales given as [rows] or [rows, 1].
+at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, const char* what) {
+  check_cpu(s, arg);
+  TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", s.scalar_type());
+  TORCH_CHECK_VALUE((s.dim() == 1 && s.size(0) == rows) || (s.dim() == 2 && s.size(0) == rows && s.size(1) == 1),
+                    arg, ": expected shape [", rows, "] or [", rows, ", 1] (one scale per ", what, "), got ",
+                    s.sizes());
+  return s.contiguous();
+}
+
+bool is_packed(const at::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
+
+at::Tensor pack_weight_op(const at::Tensor& w) {
+  check_cpu(w, "w");
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kChar, "w: dtype must be int8 (a raw [N, K] weight), got ",
+                    w.scalar_type());
+  check_rows(w, "w");
+  TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
+  check_k(w.size(1), "w");
+  const MicroKernel& kernel = active_kernel();
+  auto blob = at::empty({packed_weight_nbytes(w.size(0), w.size(1), kernel.nr)}, w.options().dtype(at::kByte));
+  pack_weight(kernel, w.data_ptr<int8_t>(), w.size(0), w.size(1), w.stride(0), blob.data_ptr<uint8_t>(),
+              kTorchParallelFor);
+  return blob;
+}
+
+// The weight as a packed view; raw int8 [N, K] weights are packed into `storage` for this call.
+PackedWeightView weight_view(const at::Tensor& w, int64_t k, at::Tensor& storage) {
+  check_cpu(w, "w");
+  if (is_packed(w)) {
+    TORCH_CHECK_VALUE(w.is_contiguous(), "w: packed weight must be contiguous");
+    PackedWeightView view =
+        as_value_errors([&] { return view_packed_weight(w.data_ptr<uint8_t>(), w.numel(), "w"); });
+    TORCH_CHECK_VALUE(view.header->k == k, "w: packed weight has K = ", view.header->k, " but the activations have K = ",
+                      k);
+    return view;
+  }
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kChar,
+                    "w: expected a raw int8 [N, K] weight or a packed weight (1-D uint8 from pack_weight), got dtype ",
+                    w.scalar_type(), " and shape ", w.sizes());
+  check_rows(w, "w");
+  TORCH_CHECK_VALUE(w.size(1) == k, "w: K mismatch: weight has K = ", w.size(1), " but the activations have K = ", k);
+  TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
+  storage = pack_weight_op(w);
+  return view_packed_weight(storage.data_ptr<uint8_t>(), storage.numel(), "w");
+}
+
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias) return {};
+  check_cpu(*bias, "bias");
+  float_kind(bias->scalar_type(), "bias");
+  TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape [", n, "], got ", bias->sizes());
+  return bias->to(at::kFloat).contiguous();
+}
+
+// Core: x_q int8 [M, K] (validated) times the weight, epilogue, into a new [M, N] tensor.
+at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale,
+                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  const MicroKernel& kernel = active_kernel();
+  const FloatKind out_kind = float_kind(out_dtype, "out_dtype");
+  at::Tensor packed_storage;
+  const PackedWeightView wv = weight_view(w, x_q.size(1), packed_storage);
+  const int64_t m = x_q.size(0), n = wv.header->n;
+  const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
+  const at::Tensor b = checked_bias(bias, n);
+  auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
+  if (m == 0) return out;
+  auto scratch = at::empty({gemm_scratch_nbytes(kernel, m, x_q.size(1))}, x_q.options().dtype(at::kByte));
+  as_value_errors([&] {
+    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
+         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
+         kTorchParallelFor);
+    return 0;
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d) {
+  const FloatKind kind = float_kind(x2d.scalar_type(), "x");
+  const int64_t m = x2d.size(0), k = x2d.size(1);
+  auto q = at::empty({m, k}, x2d.options().dtype(at::kChar));
+  auto scales = at::empty({m, 1}, x2d.options().dtype(at::kFloat));
+  const int64_t bad = quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(),
+                                    k, scales.data_ptr<float>(), kTorchParallelFor);
+  TORCH_CHECK_VALUE(bad < 0, "x: row ", bad,
+                    " contains NaN or Inf; per-token int8 quantization needs finite activations");
+  return {q, scales};
+}
+
+// Activations x [..., K] as a 2-D [M, K] operand.
+at::Tensor activation_rows(const at::Tensor& x) {
+  check_cpu(x, "x");
+  float_kind(x.scalar_type(), "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x: expected at least 1 dimension [..., K], got a scalar");
+  check_k(x.size(-1), "x");
+  TORCH_CHECK_VALUE(x.size(-1) == 1 || x.stride(-1) == 1, "x: last dimension must be contiguous (stride 1), got strides ",
+                    x.strides(), "; call .contiguous() first");
+  return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+}
+
+std::tuple<at::Tensor, at::Tensor> per_token_quant_int8_op(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x: expected a 2-D [M, K] tensor, got shape ", x.sizes());
+  return quantize(activation_rows(x));
+}
+
+at::Tensor int8_scaled_mm_op(const at::Tensor& x_q, const at::Tensor& w, const at::Tensor& x_scale,
+                             const at::Tensor& w_scale, const c10::optional<at::Tensor>& bias,
+                             c10::optional<at::ScalarType> out_dtype) {
+  check_cpu(x_q, "x_q");
+  TORCH_CHECK_VALUE(x_q.scalar_type() == at::kChar, "x_q: dtype must be int8, got ", x_q.scalar_type());
+  check_rows(x_q, "x_q");
+  check_k(x_q.size(1), "x_q");
+  const at::Tensor xs = checked_scales(x_scale, x_q.size(0), "x_scale", "row of x_q");
+  return scaled_mm(x_q, xs, w, w_scale, bias, out_dtype.value_or(at::kFloat));
+}
+
+at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                                        const c10::optional<at::Tensor>& bias,
+                                        c10::optional<at::ScalarType> out_dtype) {
+  const at::Tensor rows = activation_rows(x);
+  auto [x_q, x_scale] = quantize(rows);
+  at::Tensor out = scaled_mm(x_q, x_scale, w, w_scale, bias, out_dtype.value_or(x.scalar_type()));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out.size(1);
+  return out.view(shape);
+}
+
+std::string json_list(const std::vector<std::string>& items) {
+  std::string s = "[";
+  for (size_t i = 0; i < items.size(); ++i) s += (i ? ", \"" : "\"") + items[i] + "\"";
+  return s + "]";
+}
+
+// Build and CPU facts as JSON; w8a8_cpu.info() adds the Python-side ones.
+std::string info_op() {
+  std::vector<std::string> compiled, runnable;
+  for (const MicroKernel* k : compiled_kernels()) {
+    compiled.emplace_back(k->name);
+    if (cpu_supports(*k)) runnable.emplace_back(k->name);
+  }
+  const MicroKernel& active = as_value_errors([]() -> const MicroKernel& { return active_kernel(); });
+  std::ostringstream s;
+  s << "{\"arch\": \"" << target_arch() << "\", \"features\": " << json_list(feature_names(cpu_features()))
+    << ", \"compiled_variants\": " << json_list(compiled) << ", \"runnable_variants\": " << json_list(runnable)
+    << ", \"selected_variant\": \"" << active.name << "\", \"panel_width\": " << active.nr << "}";
+  return s.str();
+}
+
+void set_variant_op(const std::string& name) {
+  as_value_errors([&] {
+    set_active_kernel(name);
+    return 0;
+  });
+}
+
+}  // namespace
+}  // namespace w8a8_cpu
+
+TORCH_LIBRARY(w8a8_cpu, m) {
+  m.def("per_token_quant_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def(
+      "int8_scaled_mm(Tensor x_q, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
+  m.def(
+      "int8_scaled_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
+  m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("_info() -> str", &w8a8_cpu::info_op);
+  m.def("_set_variant(str name) -> ()", &w8a8_cpu::set_variant_op);
+}
+
+TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
+  m.impl("per_token_quant_int8", &w8a8_cpu::per_token_quant_int8_op);
+  m.impl("int8_scaled_mm", &w8a8_cpu::int8_scaled_mm_op);
+  m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
+  m.impl("pack_weight", &w8a8_cpu::pack_weight_op);
+}

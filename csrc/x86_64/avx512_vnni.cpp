@@ -1,0 +1,80 @@
+// AVX512-VNNI variant (Cascade Lake / Ice Lake / Sapphire Rapids / Zen4 and later). Compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512vnni (plus AVX2 for the shared quantization).
+//
+// vpdpbusd multiplies unsigned x signed bytes and sums groups of 4 into int32 without saturation. A is
+// packed as u8 = a + 128, so acc = sum (a + 128) * w = sum a * w + 128 * sum w; the weight sums stored
+// in the packed blob remove the bias. int32 arithmetic wraps, and the true result fits int32 for
+// K <= kMaxK, so the corrected result is exact.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "../common/cpu_features.h"
+#include "avx2_quant.h"
+
+namespace w8a8_cpu {
+namespace {
+
+constexpr int kNr = 16;  // one zmm = 16 channels x 4 k
+constexpr int kMr = 8;
+
+void pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t i = 0;
+  for (; i + 64 <= k; i += 64)
+    _mm512_storeu_si512(out + i, _mm512_xor_si512(_mm512_loadu_si512(a + i), bias));
+  for (; i < k; ++i) out[i] = static_cast<uint8_t>(a[i] ^ 0x80);
+  // Zero weights pad K, so any value works here; 128 keeps "a = 0" for readability in dumps.
+  for (; i < k_padded; ++i) out[i] = 0x80;
+}
+
+template <int M>
+void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32_t* col_sums, int64_t k_padded,
+               int32_t* c) {
+  __m512i acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < k_padded; k += 4) {
+    const __m512i b = _mm512_loadu_si512(panel + k * kNr);
+    for (int i = 0; i < M; ++i) {
+      int32_t a4;
+      std::memcpy(&a4, a + i * stride + k, 4);
+      acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a4), b);
+    }
+  }
+  const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(col_sums), 7);
+  for (int i = 0; i < M; ++i) _mm512_storeu_si512(c + i * kNr, _mm512_sub_epi32(acc[i], correction));
+}
+
+void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, int,
+               int64_t k_padded, int32_t* c) {
+  const auto* a8 = static_cast<const uint8_t*>(a);
+  switch (m) {
+    case 1: return tile_rows<1>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 2: return tile_rows<2>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 3: return tile_rows<3>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 4: return tile_rows<4>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 5: return tile_rows<5>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 6: return tile_rows<6>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    case 7: return tile_rows<7>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    default: return tile_rows<8>(a8, a_row_stride, panel, col_sums, k_padded, c);
+  }
+}
+
+}  // namespace
+
+extern const MicroKernel kAvx512VnniKernel;  // external linkage: the registry refers to it
+const MicroKernel kAvx512VnniKernel = {
+    /*name=*/"avx512_vnni",
+    /*required_features=*/kFeatAvx2 | kFeatAvx512Vnni,
+    /*nr=*/kNr,
+    /*reads_any_nr=*/false,
+    /*mr=*/kMr,
+    /*a_elem_bytes=*/1,
+    pack_a_row_biased_u8,
+    vnni_tile,
+    avx2_row_absmax_bits,
+    avx2_quantize_row,
+};
+
+}  // namespace w8a8_cpu

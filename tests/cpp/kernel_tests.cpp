@@ -1,0 +1,235 @@
+// Torch-free kernel tests: every compiled variant the CPU supports, against the exact integer reference.
+// Runs natively or under qemu (cross builds). Usage:
+//   w8a8_kernel_tests [--shapes N] [--seed S] [--expect-selected NAME]
+// Exit status 0 only if every check passed and at least one variant ran.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu_features.h"
+#include "gemm_driver.h"
+#include "ref_kernel.h"
+#include "registry.h"
+
+using namespace w8a8_cpu;
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond, ...)                                  \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      ++g_failures;                                       \
+      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);    \
+      std::printf(__VA_ARGS__);                           \
+      std::printf("\n");                                  \
+    }                                                     \
+  } while (0)
+
+struct Shape {
+  int64_t m, n, k;
+};
+
+// Exact int64 reference: c[i, j] = sum_k a[i, k] * w[j, k].
+std::vector<int64_t> reference_matmul(const std::vector<int8_t>& a, const std::vector<int8_t>& w, const Shape& s) {
+  std::vector<int64_t> c(s.m * s.n, 0);
+  for (int64_t i = 0; i < s.m; ++i)
+    for (int64_t j = 0; j < s.n; ++j) {
+      int64_t acc = 0;
+      for (int64_t k = 0; k < s.k; ++k) acc += int64_t{a[i * s.k + k]} * w[j * s.k + k];
+      c[i * s.n + j] = acc;
+    }
+  return c;
+}
+
+// Runs the variant's tile over every (row tile, panel) and returns the int32 accumulators [m, n].
+std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<int8_t>& a, const std::vector<int8_t>& w,
+                                   const Shape& s) {
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.nr));
+  pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
+  const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
+  const int64_t kp = pw.header->k_padded, nr = pw.header->nr;
+  const size_t stride = static_cast<size_t>(kp) * kern.a_elem_bytes;
+  std::vector<uint8_t> apack(s.m * stride);
+  for (int64_t i = 0; i < s.m; ++i) kern.pack_a_row(a.data() + i * s.k, s.k, kp, apack.data() + i * stride);
+  std::vector<int32_t> c(s.m * s.n), tile(kern.mr * nr);
+  for (int64_t r = 0; r < s.m; r += kern.mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(kern.mr, s.m - r));
+    for (int64_t p = 0; p < pw.header->n_padded / nr; ++p) {
+      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, pw.col_sums + p * nr,
+                static_cast<int>(nr), kp, tile.data());
+      for (int i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < nr && p * nr + j < s.n; ++j) c[(r + i) * s.n + p * nr + j] = tile[i * nr + j];
+    }
+  }
+  return c;
+}
+
+std::vector<int8_t> random_int8(std::mt19937_64& rng, int64_t count, int lo, int hi) {
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<int8_t> v(count);
+  for (auto& x : v) x = static_cast<int8_t>(d(rng));
+  return v;
+}
+
+std::vector<Shape> sweep_shapes(std::mt19937_64& rng, int count) {
+  std::vector<Shape> shapes;
+  for (int64_t m = 1; m <= 8; ++m) shapes.push_back({m, 1 + 7 * m, 5 + 11 * m});
+  shapes.push_back({1, 16, 4});
+  shapes.push_back({3, 33, 16384});
+  shapes.push_back({2, 17, 16387});
+  shapes.push_back({9, 100, 4096});
+  std::uniform_int_distribution<int64_t> dm(1, 24), dn(1, 80), dk(1, 700);
+  while (static_cast<int>(shapes.size()) < count) shapes.push_back({dm(rng), dn(rng), dk(rng)});
+  return shapes;
+}
+
+void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  int64_t mismatches = 0;
+  for (const Shape& s : shapes) {
+    const auto a = random_int8(rng, s.m * s.k, -128, 127), w = random_int8(rng, s.n * s.k, -128, 127);
+    const auto want = reference_matmul(a, w, s);
+    const auto got = kernel_matmul(kern, a, w, s);
+    for (int64_t i = 0; i < s.m * s.n; ++i)
+      if (got[i] != want[i]) {
+        if (mismatches++ < 5)
+          CHECK(false, "%s: M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " element %" PRId64 ": got %d want %" PRId64,
+                kern.name, s.m, s.n, s.k, i, got[i], want[i]);
+      }
+  }
+  std::printf("  %-12s matmul sweep: %zu shapes, %" PRId64 " mismatches\n", kern.name, shapes.size(), mismatches);
+}
+
+// Extremes at the largest allowed K: every product +-2^14 must accumulate without int32 overflow.
+void test_extreme_k(const MicroKernel& kern) {
+  const Shape s{2, 3, kMaxK};
+  std::vector<int8_t> a(s.m * s.k, -128), w(s.n * s.k, -128);
+  for (int64_t k = 0; k < s.k; ++k) a[s.k + k] = 127;  // row 1: 127 * -128
+  for (int64_t k = 0; k < s.k; ++k) w[2 * s.k + k] = 127;  // col 2: mixed
+  const auto want = reference_matmul(a, w, s);
+  const auto got = kernel_matmul(kern, a, w, s);
+  bool ok = true;
+  for (size_t i = 0; i < got.size(); ++i) ok &= got[i] == want[i];
+  CHECK(ok, "%s: extreme values at K=%" PRId64 " overflowed or mismatched", kern.name, s.k);
+  std::printf("  %-12s extreme K=%" PRId64 ": %s\n", kern.name, s.k, ok ? "exact" : "WRONG");
+}
+
+uint16_t bits16_of(FloatKind kind, float v) {
+  return kind == FloatKind::bf16 ? float_to_bf16_bits(v) : float_to_f16_bits(v);
+}
+
+// Quantization must give the same int8 values and the same amax bits as the reference, incl. ties.
+void test_quantization(const MicroKernel& kern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  int64_t mismatches = 0, rows = 0;
+  for (FloatKind kind : {FloatKind::f32, FloatKind::bf16, FloatKind::f16}) {
+    for (int64_t k : {1, 7, 8, 31, 32, 33, 64, 100, 1000, 4099}) {
+      std::vector<float> vals(k);
+      for (auto& v : vals) v = nd(rng);
+      // Exact halves after scaling: with amax = 127, x * (127 / 127) = x, so x.5 values are ties.
+      for (int64_t i = 0; i < k; i += 3) vals[i] = static_cast<float>(static_cast<int>(i % 50) - 25) + 0.5f;
+      vals[k / 2] = 127.f;
+      std::vector<uint16_t> half(k);
+      for (int64_t i = 0; i < k; ++i) half[i] = bits16_of(kind, vals[i]);
+      const void* x = kind == FloatKind::f32 ? static_cast<const void*>(vals.data()) : half.data();
+      const uint32_t want_amax = ref_row_absmax_bits(x, kind, k), got_amax = kern.row_absmax_bits(x, kind, k);
+      CHECK(want_amax == got_amax, "%s: amax bits differ (k=%" PRId64 ")", kern.name, k);
+      for (float inv : {1.0f, 127.f / 3.7f}) {
+        std::vector<int8_t> want(k), got(k);
+        ref_quantize_row(x, kind, k, inv, want.data());
+        kern.quantize_row(x, kind, k, inv, got.data());
+        for (int64_t i = 0; i < k; ++i) mismatches += want[i] != got[i];
+        ++rows;
+      }
+    }
+  }
+  // Inf/NaN anywhere in a row must be reported by the amax pass (the driver refuses such rows).
+  for (float bad : {INFINITY, -INFINITY, NAN}) {
+    std::vector<float> vals(45, 1.f);
+    vals[40] = bad;
+    CHECK(kern.row_absmax_bits(vals.data(), FloatKind::f32, 45) >= 0x7f800000u, "%s: non-finite not detected",
+          kern.name);
+  }
+  CHECK(mismatches == 0, "%s: %" PRId64 " quantized values differ from the reference", kern.name, mismatches);
+  std::printf("  %-12s quantization: %" PRId64 " rows, %" PRId64 " mismatches\n", kern.name, rows, mismatches);
+}
+
+// The whole driver (quantize, pack, gemm, epilogue) gives bit-identical outputs in every variant.
+void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const Shape s{7, 45, 301};
+  std::vector<float> x(s.m * s.k), w_scale(s.n), bias(s.n);
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : w_scale) v = 0.01f + std::abs(nd(rng)) * 0.01f;
+  for (auto& v : bias) v = nd(rng);
+  const auto w = random_int8(rng, s.n * s.k, -127, 127);
+  std::vector<float> first;
+  for (const MicroKernel* kern : kernels) {
+    std::vector<int8_t> q(s.m * s.k);
+    std::vector<float> scales(s.m), out(s.m * s.n);
+    CHECK(quantize_rows(*kern, x.data(), FloatKind::f32, s.m, s.k, s.k, q.data(), s.k, scales.data(), serial_for) == -1,
+          "%s: finite rows reported bad", kern->name);
+    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->nr));
+    pack_weight(*kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
+    std::vector<uint8_t> scratch(gemm_scratch_nbytes(*kern, s.m, s.k));
+    gemm(*kern, q.data(), s.m, s.k, scales.data(), view_packed_weight(blob.data(), blob.size(), "w"), w_scale.data(),
+         bias.data(), out.data(), FloatKind::f32, s.n, scratch.data(), serial_for);
+    if (first.empty()) first = out;
+    CHECK(std::memcmp(first.data(), out.data(), out.size() * 4) == 0, "%s: driver output differs from %s", kern->name,
+          kernels.front()->name);
+  }
+  std::printf("  driver output bit-identical across %zu variants\n", kernels.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int shape_count = 300;
+  uint64_t seed = 20261129;
+  std::string expect_selected;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--shapes" && i + 1 < argc) shape_count = std::atoi(argv[++i]);
+    else if (arg == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (arg == "--expect-selected" && i + 1 < argc) expect_selected = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--shapes N] [--seed S] [--expect-selected NAME]\n", argv[0]);
+      return 2;
+    }
+  }
+  std::string features;
+  for (const auto& f : feature_names(cpu_features())) features += " " + f;
+  const MicroKernel& selected = active_kernel();
+  std::printf("arch %s, features:%s, selected variant: %s\n", target_arch(), features.c_str(), selected.name);
+  if (!expect_selected.empty())
+    CHECK(expect_selected == selected.name, "dispatch selected '%s', expected '%s'", selected.name,
+          expect_selected.c_str());
+
+  std::mt19937_64 rng(seed);
+  const auto shapes = sweep_shapes(rng, shape_count);
+  std::vector<const MicroKernel*> runnable;
+  for (const MicroKernel* kern : compiled_kernels()) {
+    if (!cpu_supports(*kern)) {
+      std::printf("  %-12s skipped: this CPU lacks its features\n", kern->name);
+      continue;
+    }
+    runnable.push_back(kern);
+    test_matmul_sweep(*kern, shapes, seed);
+    test_extreme_k(*kern);
+    test_quantization(*kern, seed);
+  }
+  test_driver_identical(runnable, seed);
+  CHECK(!runnable.empty(), "no variant ran");
+  std::printf("%s: %zu variants run, %d failures\n", g_failures ? "FAILED" : "OK", runnable.size(), g_failures);
+  return g_failures ? 1 : 0;
+}

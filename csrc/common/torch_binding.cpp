@@ -1,5 +1,6 @@
 // The thin torch layer: validates inputs, allocates, parallelises with at::parallel_for, registers
 // torch.ops.w8a8_cpu.*. All arithmetic lives in the driver and the micro-kernels.
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

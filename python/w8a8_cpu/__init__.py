@@ -1,0 +1,138 @@
+"""w8a8-cpu: exact W8A8 int8 CPU kernels for PyTorch with run-time ISA dispatch.
+
+Quantization convention (every ISA variant produces identical int8 values):
+symmetric per-token int8 in [-127, 127]; amax = max |x| over the row, clamped to >= 1e-10;
+scale = amax / 127; q = clamp(round_half_to_even(x * (127 / amax)), -127, 127), computed in fp32.
+Matmul: out = float32(x_q @ w.T as exact int32) * (x_scale * w_scale) + bias, cast once to out_dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__version__ = "0.1.0"
+
+
+def _load_library() -> None:
+    from . import _build_info
+
+    built, running = _build_info.TORCH_VERSION.split(".")[:2], torch.__version__.split("+")[0].split(".")[:2]
+    if built != running:
+        raise ImportError(
+            f"w8a8_cpu was compiled against torch {_build_info.TORCH_VERSION} but torch {torch.__version__} is "
+            f"installed; the C++ extension only works with the torch minor it was built with. Reinstall w8a8-cpu "
+            f"(pip install --no-build-isolation .) next to this torch, or install torch=={'.'.join(built)}.*"
+        )
+    candidates = sorted(Path(__file__).parent.glob("libw8a8_cpu_ops*.so"))
+    if not candidates:
+        raise ImportError(f"w8a8_cpu: compiled op library libw8a8_cpu_ops.so not found in {Path(__file__).parent}")
+    torch.ops.load_library(str(candidates[0]))
+
+
+_load_library()
+_ops = torch.ops.w8a8_cpu
+
+try:  # first use applies $W8A8_CPU_ISA, so a bad value fails here, at import, naming the choices
+    _ops._info()
+except (RuntimeError, ValueError) as e:
+    raise ImportError(f"w8a8_cpu: {e}") from None
+
+from . import _fake  # noqa: E402  (fake kernels for torch.compile / opcheck need the ops loaded)
+
+_fake.register()
+
+
+def info() -> dict:
+    """CPU/dispatch report: arch, detected features, compiled/runnable variants, selected variant,
+    torch version and thread count."""
+    report = json.loads(_ops._info())
+    report["torch_version"] = torch.__version__
+    report["threads"] = torch.get_num_threads()
+    report["isa_override"] = os.environ.get("W8A8_CPU_ISA") or None
+    return report
+
+
+@contextlib.contextmanager
+def use_variant(name: str) -> Iterator[None]:
+    """Run ops on variant `name` ("ref", "avx2", ...) inside the block, then restore the previous one.
+
+    Process-wide: do not switch variants while other threads run w8a8_cpu ops."""
+    previous = info()["selected_variant"]
+    _ops._set_variant(name)
+    try:
+        yield
+    finally:
+        _ops._set_variant(previous)
+
+
+def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). NaN/Inf in x raise ValueError."""
+    return _ops.per_token_quant_int8(x)
+
+
+def int8_scaled_mm(
+    x_q: torch.Tensor,
+    w: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """(x_q int8 [M, K]) x (w int8 [N, K] or packed) -> [M, N] in out_dtype (default float32).
+
+    out = float32(x_q @ w.T, exact int32) * (x_scale * w_scale) + bias, then one cast to out_dtype."""
+    return _ops.int8_scaled_mm(x_q, w, x_scale, w_scale, bias, out_dtype)
+
+
+def int8_scaled_mm_with_quant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype)."""
+    return _ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """Reorder an int8 [N, K] weight once into the layout the active variant reads fastest.
+
+    Returns a self-describing 1-D uint8 blob (see docs/ARCHITECTURE.md); the matmul ops accept it in place
+    of the raw weight. A blob packed for another panel layout is rejected with an error naming both."""
+    return _ops.pack_weight(w)
+
+
+def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric quantization of a float [N, K] weight -> (w_q int8 [N, K], w_scale fp32 [N]).
+
+    Same rounding convention as the activations: q = clamp(round_half_even(w * (127 / amax)), -127, 127)."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise ValueError(f"w: expected a floating-point tensor, got {getattr(w, 'dtype', type(w))}")
+    if w.dim() != 2 or w.numel() == 0:
+        raise ValueError(f"w: expected a non-empty 2-D [N, K] weight, got shape {tuple(w.shape)}")
+    w32 = w.detach().to(torch.float32)
+    if not torch.isfinite(w32).all():
+        raise ValueError("w: weight contains NaN or Inf")
+    amax = w32.abs().amax(dim=1).clamp_min(1e-10)
+    w_q = torch.round(w32 * (127.0 / amax)[:, None]).clamp_(-127, 127).to(torch.int8)
+    return w_q, (amax / 127.0).contiguous()
+
+
+from . import nn  # noqa: E402
+
+__all__ = [
+    "info",
+    "use_variant",
+    "per_token_quant_int8",
+    "int8_scaled_mm",
+    "int8_scaled_mm_with_quant",
+    "pack_weight",
+    "quantize_weight",
+    "nn",
+]

@@ -1,0 +1,40 @@
+"""Fake (meta) kernels: output shapes/dtypes without computing, for torch.compile and opcheck."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+_HEADER_BYTES = 64  # PackedWeightHeader in csrc/common/gemm_driver.h
+_KR = 4  # kPackKR in csrc/common/microkernel.h
+
+
+def _packed_weight_nbytes(n, k):
+    nr = json.loads(torch.ops.w8a8_cpu._info())["panel_width"]
+    n_padded = (n + nr - 1) // nr * nr
+    k_padded = (k + _KR - 1) // _KR * _KR
+    return _HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+
+
+def register() -> None:
+    # torch >= 2.4 has register_fake; 2.1-2.3 call it impl_abstract; older torch runs the ops eagerly only.
+    register_fake = getattr(torch.library, "register_fake", None) or getattr(torch.library, "impl_abstract", None)
+    if register_fake is None:
+        return
+
+    @register_fake("w8a8_cpu::per_token_quant_int8")
+    def _per_token_quant_int8(x):
+        return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+    @register_fake("w8a8_cpu::int8_scaled_mm")
+    def _int8_scaled_mm(x_q, w, x_scale, w_scale, bias=None, out_dtype=None):
+        # N comes from w_scale: a packed weight is a 1-D blob whose length does not give N.
+        return x_q.new_empty((x_q.shape[0], w_scale.shape[0]), dtype=out_dtype or torch.float32)
+
+    @register_fake("w8a8_cpu::int8_scaled_mm_with_quant")
+    def _int8_scaled_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None):
+        return x.new_empty((*x.shape[:-1], w_scale.shape[0]), dtype=out_dtype or x.dtype)
+
+    @register_fake("w8a8_cpu::pack_weight")
+    def _pack_weight(w):
+        return w.new_empty((_packed_weight_nbytes(w.shape[0], w.shape[1]),), dtype=torch.uint8)

@@ -16,6 +16,13 @@ def _packed_weight_nbytes(n, k):
     return _HEADER_BYTES + n_padded * k_padded + 4 * n_padded
 
 
+def _check_same_device(first, **tensors):
+    # The real kernels only take CPU tensors; a fake call mixing devices would otherwise "succeed".
+    for name, t in tensors.items():
+        if t is not None and t.device != first.device:
+            raise ValueError(f"{name}: expected a CPU tensor on the same device as the activations, got {t.device}")
+
+
 def register() -> None:
     # torch >= 2.4 has register_fake; 2.1-2.3 call it impl_abstract; older torch runs the ops eagerly only.
     register_fake = getattr(torch.library, "register_fake", None) or getattr(torch.library, "impl_abstract", None)
@@ -28,11 +35,13 @@ def register() -> None:
 
     @register_fake("w8a8_cpu::int8_scaled_mm")
     def _int8_scaled_mm(x_q, w, x_scale, w_scale, bias=None, out_dtype=None):
+        _check_same_device(x_q, w=w, x_scale=x_scale, w_scale=w_scale, bias=bias)
         # N comes from w_scale: a packed weight is a 1-D blob whose length does not give N.
         return x_q.new_empty((x_q.shape[0], w_scale.shape[0]), dtype=out_dtype or torch.float32)
 
     @register_fake("w8a8_cpu::int8_scaled_mm_with_quant")
     def _int8_scaled_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None):
+        _check_same_device(x, w=w, w_scale=w_scale, bias=bias)
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]), dtype=out_dtype or x.dtype)
 
     @register_fake("w8a8_cpu::pack_weight")

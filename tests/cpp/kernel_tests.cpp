@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <random>
 #include <string>
 #include <vector>
@@ -193,7 +194,7 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int shape_count = 300;
   uint64_t seed = 20261129;
   std::string expect_selected;
@@ -232,4 +233,13 @@ int main(int argc, char** argv) {
   CHECK(!runnable.empty(), "no variant ran");
   std::printf("%s: %zu variants run, %d failures\n", g_failures ? "FAILED" : "OK", runnable.size(), g_failures);
   return g_failures ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {  // e.g. a bad W8A8_CPU_ISA: report it, do not abort
+    std::printf("FAILED: %s\n", e.what());
+    return 1;
+  }
 }

@@ -1,0 +1,149 @@
+"""python -m w8a8_cpu: CPU/dispatch report, self-check of every runnable variant, short benchmark."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List
+
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+
+
+def _progress(label: str, done: int, total: int) -> None:
+    if not sys.stderr.isatty() and done not in (0, total):
+        return
+    width = 24
+    filled = width * done // max(total, 1)
+    end = "\n" if done == total else ""
+    sys.stderr.write(f"\r  {label:<34} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
+    sys.stderr.flush()
+
+
+def print_report(report: dict) -> None:
+    print("w8a8-cpu", w8a8_cpu.__version__)
+    print(f"  arch              {report['arch']}")
+    print(f"  CPU features      {', '.join(report['features']) or '(none of interest)'}")
+    print(f"  compiled variants {', '.join(report['compiled_variants'])}")
+    print(f"  runnable variants {', '.join(report['runnable_variants'])}")
+    override = f" (forced by W8A8_CPU_ISA={report['isa_override']})" if report["isa_override"] else ""
+    print(f"  selected variant  {report['selected_variant']}{override}")
+    print(f"  torch {report['torch_version']}, {report['threads']} threads")
+
+
+SELF_CHECK_SHAPES = [(1, 7, 33), (3, 100, 16), (17, 33, 4096), (64, 4096, 100), (5, 257, 1000)]
+
+
+def self_check(variants: List[str]) -> bool:
+    """Every variant's fused op against the pure-torch reference: bit-identical outputs expected."""
+    gen = torch.Generator().manual_seed(0)
+    ok = True
+    print("self-check (fused quant + int8 matmul vs exact reference, bit-identical expected):")
+    for variant in variants:
+        worst = 0.0
+        total = len(SELF_CHECK_SHAPES) * 3
+        done = 0
+        for m, n, k in SELF_CHECK_SHAPES:
+            x = torch.randn(m, k, generator=gen)
+            w_q, w_scale = w8a8_cpu.quantize_weight(torch.randn(n, k, generator=gen))
+            bias = torch.randn(n, generator=gen)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                xd = x.to(dtype)
+                with w8a8_cpu.use_variant(variant):
+                    got = w8a8_cpu.int8_scaled_mm_with_quant(xd, w8a8_cpu.pack_weight(w_q), w_scale, bias)
+                x_q, x_scale = reference.per_token_quant_int8(xd)
+                want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias, dtype)
+                worst = max(worst, (got.float() - want.float()).abs().max().item())
+                done += 1
+                _progress(f"{variant}", done, total)
+        status = "ok" if worst == 0.0 else "MISMATCH"
+        ok &= worst == 0.0
+        print(f"  {variant:<12} {status}: {len(SELF_CHECK_SHAPES)} shapes x 3 dtypes, max |diff| = {worst:g}")
+    return ok
+
+
+def _median_ms(fn: Callable[[], object], iters: int) -> float:
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+def benchmark(m: int, n: int, k: int, iters: int) -> Dict[str, float]:
+    """Median times of the W8A8 linear (packed weights) vs torch fp32 and torch.ao dynamic quantized Linear,
+    measured interleaved in the same run."""
+    linear = torch.nn.Linear(k, n)
+    x = torch.randn(m, k)
+    w8a8 = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    candidates: Dict[str, Callable[[], object]] = {"w8a8_cpu W8A8Linear": lambda: w8a8(x),
+                                                   "torch fp32 linear": lambda: linear(x)}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from torch.ao.quantization import quantize_dynamic
+
+            dyn = quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+        candidates["torch.ao dynamic int8 Linear"] = lambda: dyn(x)
+    except Exception as e:  # not every torch build ships a quantized engine
+        print(f"  (torch.ao dynamic quantization unavailable: {e})")
+    times: Dict[str, List[float]] = {name: [] for name in candidates}
+    rounds = 5
+    with torch.inference_mode():
+        for fn in candidates.values():  # warm-up
+            fn()
+        for r in range(rounds):  # interleaved rounds, so drift and noise hit every candidate alike
+            for name, fn in candidates.items():
+                times[name].append(_median_ms(fn, iters))
+            _progress(f"benchmark M={m} N={n} K={k}", r + 1, rounds)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: List[str] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m w8a8_cpu",
+        description="Report the CPU and the selected W8A8 kernel variant, check every runnable variant against "
+        "the exact reference, and benchmark the W8A8 linear against torch fp32 and torch.ao dynamic int8. "
+        "Set W8A8_CPU_ISA=<variant> to force a variant.",
+    )
+    parser.add_argument("--shape", nargs=3, type=int, metavar=("M", "N", "K"), default=[32, 4096, 4096],
+                        help="benchmark shape: tokens M, output features N, input features K (default 32 4096 4096)")
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per round (default 10)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.shape) <= 0 or args.iters <= 0:
+        parser.error("--shape values and --iters must be positive")
+
+    report = w8a8_cpu.info()
+    print_report(report)
+    ok = self_check(report["runnable_variants"])
+    result = {"info": report, "self_check_ok": ok}
+    if not args.no_bench:
+        m, n, k = args.shape
+        times = benchmark(m, n, k, args.iters)
+        ours = times["w8a8_cpu W8A8Linear"]
+        print(f"benchmark (fp32 in/out, M={m} N={n} K={k}, median of {args.iters}-call medians over 5 rounds):")
+        for name, ms in times.items():
+            gops = 2.0 * m * n * k / (ms * 1e-3) / 1e9
+            print(f"  {name:<30} {ms:9.3f} ms  {gops:8.1f} GOPS  w8a8_cpu speedup x{ms / ours:.2f}")
+        result["benchmark_ms"] = times
+    if args.json:
+        print(json.dumps(result))
+    if not ok:
+        print("self-check FAILED: some variant disagrees with the reference", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Pure-torch reference of the ops' exact semantics (integer matmul in fp64, which is exact for |sum| < 2^53).
+
+Used by the self-check (`python -m w8a8_cpu`) and the tests; slow, but independent of every kernel."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+AMAX_EPS = 1e-10
+
+
+def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    x32 = x.to(torch.float32)
+    amax = x32.abs().amax(dim=-1, keepdim=True).clamp_min(AMAX_EPS)
+    inv_scale = torch.full_like(amax, 127.0) / amax  # fp32 division, as in the kernels
+    x_q = torch.round(x32 * inv_scale).clamp_(-127, 127).to(torch.int8)  # torch.round: half to even
+    return x_q, amax / 127.0
+
+
+def int8_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """Exact x_q @ w_q.T as float64 (integers, exactly representable)."""
+    return x_q.to(torch.float64) @ w_q.to(torch.float64).T
+
+
+def int8_scaled_mm(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The kernels' fp32 epilogue, operation for operation: float32(acc) * (x_scale * w_scale) + bias."""
+    acc = int8_matmul(x_q, w_q).to(torch.float32)
+    out = acc * (x_scale.reshape(-1, 1).to(torch.float32) * w_scale.reshape(1, -1).to(torch.float32))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def int8_scaled_mm_fp64(x_q, w_q, x_scale, w_scale, bias=None) -> torch.Tensor:
+    """Same math with an fp64 epilogue: the ideal result the fp32 kernels approximate."""
+    out = int8_matmul(x_q, w_q) * (x_scale.reshape(-1, 1).double() * w_scale.reshape(1, -1).double())
+    return out if bias is None else out + bias.double()

@@ -1,0 +1,118 @@
+"""Python layer (quantize_weight, W8A8Linear, quantize_model), info/dispatch, and the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+
+
+def test_quantize_weight_per_channel():
+    w = torch.tensor([[0.5, -1.0, 2.0], [0.0, 0.0, 0.0], [-3.0, 1.5, 0.1]])
+    w_q, w_scale = w8a8_cpu.quantize_weight(w)
+    assert w_q.dtype == torch.int8 and w_scale.dtype == torch.float32 and w_scale.shape == (3,)
+    assert w_q.tolist() == [[32, -64, 127], [0, 0, 0], [-127, 64, 4]]
+    torch.testing.assert_close(w_scale, torch.tensor([2 / 127, 1e-10 / 127, 3 / 127]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w8a8_linear_matches_float_linear(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 96)
+    layer = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    x = torch.randn(2, 9, 256).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (2, 9, 96)
+    ref = linear(x.float())
+    rel = (y.float() - ref).norm() / ref.norm()
+    assert rel < 0.02, rel
+    # exactly the reference math on the quantized operands
+    w_q, w_scale = w8a8_cpu.quantize_weight(linear.weight)
+    x_q, x_scale = reference.per_token_quant_int8(x.reshape(-1, 256))
+    want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, linear.bias.detach(), dtype).reshape(2, 9, 96)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+def test_quantize_model_replaces_and_skips():
+    model = torch.nn.Sequential()
+    model.add_module("up", torch.nn.Linear(32, 64))
+    model.add_module("act", torch.nn.ReLU())
+    model.add_module("head", torch.nn.Linear(64, 10, bias=False))
+    x = torch.randn(4, 32)
+    expected = model(x)
+    w8a8_cpu.nn.quantize_model(model, skip=["head"])
+    assert isinstance(model.up, w8a8_cpu.nn.W8A8Linear) and isinstance(model.head, torch.nn.Linear)
+    w8a8_cpu.nn.quantize_model(model, skip=lambda name, m: False)
+    assert isinstance(model.head, w8a8_cpu.nn.W8A8Linear) and model.head.bias is None
+    got = model(x)
+    assert (got - expected).norm() / expected.norm() < 0.03
+    restored = torch.nn.Sequential(w8a8_cpu.nn.W8A8Linear(torch.zeros(64, 32, dtype=torch.int8), torch.ones(64),
+                                                          torch.zeros(64)), torch.nn.ReLU(),
+                                   w8a8_cpu.nn.W8A8Linear(torch.zeros(10, 64, dtype=torch.int8), torch.ones(10)))
+    restored.load_state_dict({k.replace("up", "0").replace("head", "2"): v for k, v in model.state_dict().items()})
+    torch.testing.assert_close(restored(x), got, rtol=0, atol=0)
+
+
+def test_info_reports_dispatch():
+    info = w8a8_cpu.info()
+    assert info["arch"] == "x86_64" or info["arch"] in ("aarch64", "ppc64le")
+    assert info["compiled_variants"][0] == "ref"
+    assert info["selected_variant"] in info["runnable_variants"]
+    assert set(info["runnable_variants"]) <= set(info["compiled_variants"])
+    assert info["selected_variant"] == info["runnable_variants"][-1]  # best runnable, no override
+    assert info["threads"] == torch.get_num_threads() and info["torch_version"] == torch.__version__
+    if info["arch"] == "x86_64":
+        assert info["compiled_variants"] == ["ref", "avx2", "avx512_vnni"]
+        assert ("avx2" in info["runnable_variants"]) == ("avx2" in info["features"])
+
+
+def run_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_isa_env_forces_variant():
+    for name in w8a8_cpu.info()["runnable_variants"]:
+        r = run_python("import w8a8_cpu; print(w8a8_cpu.info()['selected_variant'])", W8A8_CPU_ISA=name)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == name
+
+
+@pytest.mark.parametrize("name,fragment", [("bogus", "is not a variant compiled"), ("neon", "is not a variant compiled")])
+def test_isa_env_rejects_unknown(name, fragment):
+    r = run_python("import w8a8_cpu", W8A8_CPU_ISA=name)
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and fragment in r.stderr and "choices: ref" in r.stderr
+
+
+def test_isa_env_rejects_unsupported_variant():
+    missing = [v for v in w8a8_cpu.info()["compiled_variants"] if v not in w8a8_cpu.info()["runnable_variants"]]
+    if not missing:
+        pytest.skip("this CPU runs every compiled variant")
+    r = run_python("import w8a8_cpu", W8A8_CPU_ISA=missing[0])
+    assert r.returncode != 0 and "this CPU lacks the features" in r.stderr
+
+
+def test_cli_main_job():
+    r = subprocess.run([sys.executable, "-m", "w8a8_cpu", "--shape", "4", "64", "128", "--iters", "2", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "selected variant" in r.stdout
+    for variant in w8a8_cpu.info()["runnable_variants"]:
+        assert f"{variant:<12} ok" in r.stdout
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["self_check_ok"] is True
+    assert set(result["benchmark_ms"]) >= {"w8a8_cpu W8A8Linear", "torch fp32 linear"}
+    assert all(v > 0 for v in result["benchmark_ms"].values())
+
+
+def test_cli_help_and_bad_args():
+    r = subprocess.run([sys.executable, "-m", "w8a8_cpu", "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "W8A8_CPU_ISA" in r.stdout and "--shape" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "w8a8_cpu", "--shape", "0", "1", "1"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "must be positive" in r.stderr

@@ -1,0 +1,222 @@
+"""Ops against the exact reference (integer matmul in fp64, the kernels' fp32 epilogue), every variant."""
+import itertools
+
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MS = [1, 2, 3, 5, 17, 64, 257]
+NKS = [(1, 1), (7, 33), (16, 16), (33, 100), (100, 7), (4096, 33), (33, 4096), (1, 4096), (100, 4096)]
+
+
+def random_weight(n, k, gen):
+    return torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), torch.rand(n, generator=gen) * 0.02 + 1e-3
+
+
+def test_reference_on_known_numbers():
+    # Hand-checked: amax 2 -> scale 2/127; 0.5 * 63.5 = 31.75 -> 32; -1 * 63.5 = -63.5 -> -64 (half to even).
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.0]])
+    x_q, x_scale = reference.per_token_quant_int8(x)
+    assert x_q.tolist() == [[32, -64, 127, 0]]
+    assert x_scale.item() == pytest.approx(2 / 127)
+    w = torch.tensor([[1, 2, 3, 4], [-127, 0, 127, 5]], dtype=torch.int8)
+    assert reference.int8_matmul(x_q, w).tolist() == [[32 - 128 + 381, -4064 + 16129]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,k", [(1, 1), (3, 7), (5, 33), (17, 100), (64, 4096), (2, 4099)])
+def test_per_token_quant_matches_reference(variant, dtype, m, k, gen):
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    x[0, 0] = 0.5 * x[0].float().abs().max()  # some exact-tie candidates
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(x)
+    want_q, want_scale = reference.per_token_quant_int8(x)
+    assert x_q.dtype == torch.int8 and x_scale.dtype == torch.float32 and x_scale.shape == (m, 1)
+    assert torch.equal(x_q, want_q)
+    assert torch.equal(x_scale, want_scale)
+    assert int(x_q.abs().max()) == 127
+
+
+def test_quant_ties_round_half_to_even(variant):
+    # amax = 127 makes inv_scale exactly 1, so x.5 values are exact ties.
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, 3.5]] * 5).repeat(1, 5)
+    x_q, _ = w8a8_cpu.per_token_quant_int8(x)
+    assert x_q[0, :8].tolist() == [0, 2, 2, 0, -2, -2, 127, 4]
+
+
+def test_quant_zero_row(variant):
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(torch.zeros(2, 40))
+    assert not x_q.any()
+    assert torch.all(x_scale == torch.tensor(1e-10, dtype=torch.float32) / 127)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["raw", "packed"])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("n,k", NKS)
+def test_int8_scaled_mm_exact(variant, m, n, k, packed, gen):
+    x_q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)  # full int8 range, incl. -128
+    x_scale = torch.rand(m, 1, generator=gen) * 0.05 + 1e-3
+    w_q, w_scale = random_weight(n, k, gen)
+    bias = torch.randn(n, generator=gen) if (m + n) % 2 else None
+    w = w8a8_cpu.pack_weight(w_q) if packed else w_q
+    for out_dtype in DTYPES:
+        got = w8a8_cpu.int8_scaled_mm(x_q, w, x_scale, w_scale, bias, out_dtype)
+        want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (m, n)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ideal = reference.int8_scaled_mm_fp64(x_q, w_q, x_scale, w_scale, bias)
+    got32 = w8a8_cpu.int8_scaled_mm(x_q, w, x_scale, w_scale, bias, torch.float32)
+    torch.testing.assert_close(got32.double(), ideal, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias_dtype", DTYPES)
+def test_bias_dtypes_and_scale_shapes(variant, bias_dtype, gen):
+    x_q = torch.randint(-127, 128, (4, 50), dtype=torch.int8, generator=gen)
+    x_scale = torch.rand(4, generator=gen)  # [M] accepted as well as [M, 1]
+    w_q, w_scale = random_weight(9, 50, gen)
+    bias = torch.randn(9, generator=gen).to(bias_dtype)
+    got = w8a8_cpu.int8_scaled_mm(x_q, w_q, x_scale, w_scale.reshape(9, 1), bias, torch.float32)
+    want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias.float(), torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert w8a8_cpu.int8_scaled_mm(x_q, w_q, x_scale, w_scale).dtype == torch.float32  # default out_dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_quant_matmul_exact_and_batched(variant, dtype, gen):
+    x = torch.randn(2, 3, 70, generator=gen).to(dtype)
+    w_q, w_scale = random_weight(45, 70, gen)
+    bias = torch.randn(45, generator=gen)
+    got = w8a8_cpu.int8_scaled_mm_with_quant(x, w8a8_cpu.pack_weight(w_q), w_scale, bias)
+    assert got.shape == (2, 3, 45) and got.dtype == dtype
+    x_q, x_scale = reference.per_token_quant_int8(x.reshape(6, 70))
+    want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias, dtype).reshape(2, 3, 45)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got32 = w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale, bias, out_dtype=torch.float32)
+    assert got32.dtype == torch.float32
+
+
+def test_bf16_within_sglang_tolerance_of_float_linear(variant, gen):
+    # sglang's style: bf16 output vs an fp32 reference of the same quantized math, 1e-2 relative.
+    x = torch.randn(33, 512, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    w_q, w_scale = random_weight(256, 512, gen)
+    got = w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale, out_dtype=torch.bfloat16)
+    x_q, x_scale = reference.per_token_quant_int8(x)
+    ideal = reference.int8_scaled_mm_fp64(x_q, w_q, x_scale, w_scale).float()
+    torch.testing.assert_close(got.float(), ideal, rtol=1e-2, atol=1e-2 * ideal.abs().max().item())
+
+
+def test_strided_rows(variant, gen):
+    base = torch.randint(-127, 128, (6, 80), dtype=torch.int8, generator=gen)
+    x_q = base[::2, 5:69]  # row stride 160, last dim contiguous
+    x_scale = torch.rand(3, 1, generator=gen)
+    w_base, w_scale = random_weight(20, 100, gen)
+    w_q = w_base[:, 10:74]
+    got = w8a8_cpu.int8_scaled_mm(x_q, w_q, x_scale, w_scale, None, torch.float32)
+    want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_threads_bit_identical(variant, gen):
+    x = torch.randn(70, 512, generator=gen)
+    w_q, w_scale = random_weight(1000, 512, gen)
+    w = w8a8_cpu.pack_weight(w_q)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = w8a8_cpu.int8_scaled_mm_with_quant(x, w, w_scale)
+        one_q = w8a8_cpu.per_token_quant_int8(x)
+        torch.set_num_threads(max(2, previous))
+        many = w8a8_cpu.int8_scaled_mm_with_quant(x, w, w_scale)
+        many_q = w8a8_cpu.per_token_quant_int8(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, many)
+    assert torch.equal(one_q[0], many_q[0]) and torch.equal(one_q[1], many_q[1])
+
+
+def test_variants_bit_identical(gen):
+    x = torch.randn(19, 300, generator=gen).to(torch.bfloat16)
+    w_q, w_scale = random_weight(77, 300, gen)
+    outputs = {}
+    for name in w8a8_cpu.info()["runnable_variants"]:
+        with w8a8_cpu.use_variant(name):
+            outputs[name] = w8a8_cpu.int8_scaled_mm_with_quant(x, w8a8_cpu.pack_weight(w_q), w_scale)
+    first = next(iter(outputs.values()))
+    for name, out in outputs.items():
+        assert torch.equal(out, first), name
+
+
+def test_packed_weight_read_by_reference_variant(gen):
+    # A blob packed by the selected variant is readable by the reference (it reads any panel width).
+    w_q, w_scale = random_weight(37, 90, gen)
+    packed = w8a8_cpu.pack_weight(w_q)
+    x = torch.randn(5, 90, generator=gen)
+    best = w8a8_cpu.int8_scaled_mm_with_quant(x, packed, w_scale)
+    with w8a8_cpu.use_variant("ref"):
+        assert torch.equal(w8a8_cpu.int8_scaled_mm_with_quant(x, packed, w_scale), best)
+
+
+def test_packed_blob_format(gen):
+    w_q, _ = random_weight(37, 90, gen)
+    packed = w8a8_cpu.pack_weight(w_q)
+    nr = w8a8_cpu.info()["panel_width"]
+    n_pad, k_pad = -(-37 // nr) * nr, 92
+    assert packed.dtype == torch.uint8 and packed.dim() == 1
+    assert packed.numel() == 64 + n_pad * k_pad + 4 * n_pad
+    assert bytes(packed[:7].tolist()) == b"W8A8PKW"
+    sums = packed[64 + n_pad * k_pad:].view(torch.int32)
+    assert sums[:37].tolist() == w_q.sum(dim=1, dtype=torch.int32).tolist()
+    assert not sums[37:].any()
+
+
+def test_empty_m_returns_empty(variant, gen):
+    w_q, w_scale = random_weight(8, 16, gen)
+    out = w8a8_cpu.int8_scaled_mm_with_quant(torch.empty(0, 16), w_q, w_scale)
+    assert out.shape == (0, 8)
+    out = w8a8_cpu.int8_scaled_mm(torch.empty(0, 16, dtype=torch.int8), w_q, torch.empty(0, 1), w_scale)
+    assert out.shape == (0, 8)
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(torch.empty(0, 16))
+    assert x_q.shape == (0, 16) and x_scale.shape == (0, 1)
+
+
+def test_large_k_exact(variant, gen):
+    k = 20000
+    x_q = torch.full((2, k), -128, dtype=torch.int8)
+    w_q = torch.full((3, k), -128, dtype=torch.int8)
+    got = w8a8_cpu.int8_scaled_mm(x_q, w_q, torch.ones(2, 1), torch.ones(3), None, torch.float32)
+    assert got[0, 0].item() == float(k * 16384)
+
+
+@pytest.mark.parametrize(
+    "op",
+    ["per_token_quant_int8", "int8_scaled_mm", "int8_scaled_mm_with_quant", "pack_weight"],
+)
+def test_opcheck(op, gen):
+    w_q, w_scale = random_weight(24, 40, gen)
+    x = torch.randn(5, 40, generator=gen)
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(x)
+    packed = w8a8_cpu.pack_weight(w_q)
+    args = {
+        "per_token_quant_int8": [(x,), (x.bfloat16(),)],
+        "int8_scaled_mm": [(x_q, w_q, x_scale, w_scale, None, torch.float32),
+                           (x_q, packed, x_scale, w_scale, torch.randn(24), torch.bfloat16)],
+        "int8_scaled_mm_with_quant": [(x, packed, w_scale, None, None),
+                                      (x.reshape(1, 5, 40).half(), w_q, w_scale, torch.randn(24), torch.float32)],
+        "pack_weight": [(w_q,)],
+    }[op]
+    for a in args:
+        torch.library.opcheck(getattr(torch.ops.w8a8_cpu, op).default, a)
+
+
+def test_torch_compile_model(gen):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+    w8a8_cpu.nn.quantize_model(model)
+    x = torch.randn(7, 64, generator=gen)
+    eager = model(x)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    x2 = torch.randn(3, 64, generator=gen)  # another M
+    torch.testing.assert_close(compiled(x2), model(x2), rtol=0, atol=0)

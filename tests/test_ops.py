@@ -161,8 +161,8 @@ def test_packed_weight_read_by_reference_variant(gen):
 def test_packed_blob_format(gen):
     w_q, _ = random_weight(37, 90, gen)
     packed = w8a8_cpu.pack_weight(w_q)
-    nr = w8a8_cpu.info()["panel_width"]
-    n_pad, k_pad = -(-37 // nr) * nr, 92
+    nr, kr = w8a8_cpu.info()["panel_width"], w8a8_cpu.info()["panel_depth"]
+    n_pad, k_pad = -(-37 // nr) * nr, -(-90 // kr) * kr
     assert packed.dtype == torch.uint8 and packed.dim() == 1
     assert packed.numel() == 64 + n_pad * k_pad + 4 * n_pad
     assert bytes(packed[:7].tolist()) == b"W8A8PKW"

@@ -24,24 +24,28 @@ void serial_for(int64_t begin, int64_t end, int64_t, const std::function<void(in
   if (begin < end) body(begin, end);
 }
 
-int64_t packed_weight_nbytes(int64_t n, int64_t k, int nr) {
-  const int64_t n_padded = round_up(n, nr), k_padded = round_up(k, kPackKR);
+int64_t packed_weight_nbytes(int64_t n, int64_t k, PanelLayout layout) {
+  const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, layout.kr);
   return static_cast<int64_t>(sizeof(PackedWeightHeader)) + n_padded * k_padded + n_padded * 4;
 }
 
-bool kernel_reads_nr(const MicroKernel& kernel, int nr) { return kernel.reads_any_nr || kernel.nr == nr; }
+bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout) {
+  return kernel.reads_any_layout || (kernel.layout.nr == layout.nr && kernel.layout.kr == layout.kr);
+}
 
 void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
                  const ParallelFor& parallel_for) {
-  const int nr = kernel.nr;
+  const PanelLayout layout = kernel.layout;
+  const int nr = layout.nr;
   PackedWeightHeader header{};
   std::memcpy(header.magic, kPackedMagic, sizeof kPackedMagic);
   header.version = kPackedVersion;
-  header.nr = static_cast<uint32_t>(nr);
+  header.nr = static_cast<uint16_t>(nr);
+  header.kr = static_cast<uint16_t>(layout.kr);
   header.n = n;
   header.k = k;
   header.n_padded = round_up(n, nr);
-  header.k_padded = round_up(k, kPackKR);
+  header.k_padded = round_up(k, layout.kr);
   std::strncpy(header.packed_by, kernel.name, sizeof header.packed_by - 1);
   std::memcpy(blob, &header, sizeof header);
   auto* panels = reinterpret_cast<int8_t*>(blob + sizeof header);
@@ -55,7 +59,7 @@ void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t 
         int32_t sum = 0;
         for (int64_t kk = 0; kk < header.k_padded; ++kk) {
           const int8_t v = (row < n && kk < k) ? w[row * ldw + kk] : 0;
-          panel[(kk / kPackKR) * nr * kPackKR + j * kPackKR + kk % kPackKR] = v;
+          panel[layout.index(kk, j)] = v;
           sum += v;
         }
         col_sums[row] = sum;
@@ -78,12 +82,13 @@ PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const c
     throw std::invalid_argument(name + ": packed weight format version " + std::to_string(h.version) +
                                 " is not supported (this build reads version " + std::to_string(kPackedVersion) +
                                 "); re-pack the raw weight with pack_weight");
-  if (h.nr == 0 || h.n < 0 || h.k < 0 || h.n_padded != round_up(h.n, h.nr) ||
-      h.k_padded != round_up(h.k, kPackKR) || nbytes != packed_weight_nbytes(h.n, h.k, static_cast<int>(h.nr)))
+  const PanelLayout layout{h.nr, h.kr};
+  if (h.nr == 0 || h.kr == 0 || h.n < 0 || h.k < 0 || h.n_padded != round_up(h.n, h.nr) ||
+      h.k_padded != round_up(h.k, h.kr) || nbytes != packed_weight_nbytes(h.n, h.k, layout))
     throw std::invalid_argument(name + ": packed weight header is inconsistent with its size (corrupted or "
                                 "truncated blob)");
   const auto* panels = reinterpret_cast<const int8_t*>(blob + sizeof h);
-  return {reinterpret_cast<const PackedWeightHeader*>(blob), panels,
+  return {reinterpret_cast<const PackedWeightHeader*>(blob), layout, panels,
           reinterpret_cast<const int32_t*>(panels + h.n_padded * h.k_padded)};
 }
 
@@ -112,19 +117,21 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
   return bad < m ? bad : -1;
 }
 
-int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k) {
-  return m * a_row_stride(kernel, round_up(k, kPackKR));
+int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
+  return m * a_row_stride(kernel, k_padded);
 }
 
 void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const float* a_scales,
           const PackedWeightView& w, const float* w_scales, const float* bias, void* out, FloatKind out_kind,
           int64_t ldo, void* scratch, const ParallelFor& parallel_for) {
   const PackedWeightHeader& h = *w.header;
-  const int nr = static_cast<int>(h.nr), mr = kernel.mr;
-  if (!kernel_reads_nr(kernel, nr))
-    throw std::invalid_argument(std::string("w: weight was packed by the '") + h.packed_by + "' variant (panel width " +
-                                std::to_string(nr) + "), which the active '" + kernel.name +
-                                "' variant cannot read; re-pack it with pack_weight under the active variant");
+  const int nr = w.layout.nr, mr = kernel.mr;
+  if (!kernel_reads_layout(kernel, w.layout))
+    throw std::invalid_argument(std::string("w: weight was packed by the '") + h.packed_by + "' variant (panel " +
+                                std::to_string(nr) + "x" + std::to_string(w.layout.kr) + "), which the active '" +
+                                kernel.name + "' variant cannot read (it reads " + std::to_string(kernel.layout.nr) +
+                                "x" + std::to_string(kernel.layout.kr) +
+                                "); re-pack the raw weight with pack_weight under the active variant");
   if (mr * nr > kMaxTileElems) throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
   if (m == 0 || h.n == 0) return;
 
@@ -156,7 +163,8 @@ void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, co
       const int64_t r_end = std::min(m, (rb + 1) * rows_per_block);
       for (int64_t r = rb * rows_per_block; r < r_end; r += mr) {
         const int rows = static_cast<int>(std::min<int64_t>(mr, r_end - r));
-        kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel, sums, nr, h.k_padded, c);
+        kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel, sums, w.layout, h.k_padded,
+                    c);
         for (int i = 0; i < rows; ++i) {
           const float a_scale = a_scales[r + i];
           void* out_row = static_cast<char*>(out) + (r + i) * ldo * out_elem;

@@ -10,11 +10,15 @@ namespace w8a8_cpu {
 // Element type of activations / outputs, independent of torch.
 enum class FloatKind : int { f32 = 0, bf16 = 1, f16 = 2 };
 
-// Packed weight layout: panels of `nr` output channels; inside a panel, groups of kPackKR consecutive
-// k for one channel are contiguous: panel[k / 4][n % nr][k % 4]. K is zero-padded to a multiple of 4 and
-// N to a multiple of nr. This is the natural operand of vpdpbusd / sdot / vec_msum / xvi8ger4 and, after
-// sign extension, of vpmaddwd.
-constexpr int kPackKR = 4;
+// Packed weight layout: panels of `nr` output channels; inside a panel, groups of `kr` consecutive k of
+// one channel are contiguous: panel[k / kr][n % nr][k % kr]. K is zero-padded to a multiple of kr and N
+// to a multiple of nr. kr = 4 is the natural operand of vpdpbusd / sdot / vec_msum / xvi8ger4 (and of
+// vpmaddwd after sign extension); kr = 8 gives smmla its 2-channel x 8-k blocks.
+struct PanelLayout {
+  int nr;
+  int kr;
+  int64_t index(int64_t k, int j) const { return (k / kr) * nr * kr + j * kr + k % kr; }
+};
 
 // Largest K for which an int32 accumulator cannot overflow: |a·w| <= 128·128 = 2^14 per product.
 constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
@@ -22,8 +26,8 @@ constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...
   uint64_t required_features;  // CpuFeature bits the CPU must have
-  int nr;                      // panel width of the packed weight layout this variant packs and reads
-  bool reads_any_nr;           // true for the reference tile, which reads weights packed by any variant
+  PanelLayout layout;          // packed weight layout this variant packs and reads
+  bool reads_any_layout;       // true for the reference tile, which reads weights packed by any variant
   int mr;                      // rows of A per tile call (1..mr)
   size_t a_elem_bytes;         // bytes per element of the packed A row
 
@@ -32,11 +36,11 @@ struct MicroKernel {
   void (*pack_a_row)(const int8_t* a, int64_t k, int64_t k_padded, void* dst);
 
   // c[i * nr + j] = sum_k a_i[k] * w[panel col j][k] as exact int32 for i < m (m <= mr).
-  // a: m packed rows, a_row_stride bytes apart. panel: one packed weight panel of `nr` channels (the
-  // variant's own nr unless reads_any_nr). col_sums: the panel's per-channel weight sums over k, for
-  // variants that bias A by +128 to use an unsigned x signed instruction.
-  void (*tile)(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, int nr,
-               int64_t k_padded, int32_t* c);
+  // a: m packed rows, a_row_stride bytes apart. panel: one packed weight panel in `layout` (the variant's
+  // own layout unless reads_any_layout). col_sums: the panel's per-channel weight sums over k, for
+  // variants that bias A by +128 to use an unsigned x signed instruction. c has layout.nr columns.
+  void (*tile)(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums,
+               PanelLayout layout, int64_t k_padded, int32_t* c);
 
   // Largest |x| of a row as IEEE bits (the int32 max of abs bit patterns; >= 0x7f800000 means Inf/NaN).
   uint32_t (*row_absmax_bits)(const void* x, FloatKind kind, int64_t k);

@@ -17,15 +17,14 @@ void ref_pack_a_row(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
 
 }  // namespace
 
-void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, int nr,
+void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout layout,
               int64_t k_padded, int32_t* c) {
   for (int i = 0; i < m; ++i) {
     const auto* ai = static_cast<const int8_t*>(a) + i * a_row_stride;
-    for (int j = 0; j < nr; ++j) {
+    for (int j = 0; j < layout.nr; ++j) {
       int32_t acc = 0;
-      for (int64_t k = 0; k < k_padded; ++k)
-        acc += int32_t{ai[k]} * panel[(k / kPackKR) * nr * kPackKR + j * kPackKR + k % kPackKR];
-      c[i * nr + j] = acc;
+      for (int64_t k = 0; k < k_padded; ++k) acc += int32_t{ai[k]} * panel[layout.index(k, j)];
+      c[i * layout.nr + j] = acc;
     }
   }
 }
@@ -52,8 +51,8 @@ void ref_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale,
 const MicroKernel kRefKernel = {
     /*name=*/"ref",
     /*required_features=*/0,
-    /*nr=*/kRefNr,
-    /*reads_any_nr=*/true,
+    /*layout=*/{kRefNr, 4},
+    /*reads_any_layout=*/true,
     /*mr=*/4,
     /*a_elem_bytes=*/1,
     ref_pack_a_row,

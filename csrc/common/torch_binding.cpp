@@ -76,7 +76,7 @@ at::Tensor pack_weight_op(const at::Tensor& w) {
   TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
   check_k(w.size(1), "w");
   const MicroKernel& kernel = active_kernel();
-  auto blob = at::empty({packed_weight_nbytes(w.size(0), w.size(1), kernel.nr)}, w.options().dtype(at::kByte));
+  auto blob = at::empty({packed_weight_nbytes(w.size(0), w.size(1), kernel.layout)}, w.options().dtype(at::kByte));
   pack_weight(kernel, w.data_ptr<int8_t>(), w.size(0), w.size(1), w.stride(0), blob.data_ptr<uint8_t>(),
               kTorchParallelFor);
   return blob;
@@ -123,7 +123,7 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at:
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
   if (m == 0) return out;
-  auto scratch = at::empty({gemm_scratch_nbytes(kernel, m, x_q.size(1))}, x_q.options().dtype(at::kByte));
+  auto scratch = at::empty({gemm_scratch_nbytes(kernel, m, wv.header->k_padded)}, x_q.options().dtype(at::kByte));
   as_value_errors([&] {
     gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
          b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
@@ -201,7 +201,8 @@ std::string info_op() {
   std::ostringstream s;
   s << "{\"arch\": \"" << target_arch() << "\", \"features\": " << json_list(feature_names(cpu_features()))
     << ", \"compiled_variants\": " << json_list(compiled) << ", \"runnable_variants\": " << json_list(runnable)
-    << ", \"selected_variant\": \"" << active.name << "\", \"panel_width\": " << active.nr << "}";
+    << ", \"selected_variant\": \"" << active.name << "\", \"panel_width\": " << active.layout.nr
+    << ", \"panel_depth\": " << active.layout.kr << "}";
   return s.str();
 }
 

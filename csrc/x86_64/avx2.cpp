@@ -60,7 +60,7 @@ void tile_rows(const int16_t* a, size_t stride, const int8_t* panel, int64_t k_p
   tile_half<M>(a, stride, panel, k_padded, 1, c);
 }
 
-void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, int,
+void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a16 = static_cast<const int16_t*>(a);
   const size_t stride = a_row_stride / sizeof(int16_t);
@@ -131,8 +131,8 @@ extern const MicroKernel kAvx2Kernel;  // external linkage: the registry refers 
 const MicroKernel kAvx2Kernel = {
     /*name=*/"avx2",
     /*required_features=*/kFeatAvx2,
-    /*nr=*/kNr,
-    /*reads_any_nr=*/false,
+    /*layout=*/{kNr, 4},
+    /*reads_any_layout=*/false,
     /*mr=*/kMr,
     /*a_elem_bytes=*/sizeof(int16_t),
     pack_a_row_int16,

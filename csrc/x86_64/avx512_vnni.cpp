@@ -46,7 +46,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
   for (int i = 0; i < M; ++i) _mm512_storeu_si512(c + i * kNr, _mm512_sub_epi32(acc[i], correction));
 }
 
-void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, int,
+void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const uint8_t*>(a);
   switch (m) {
@@ -67,8 +67,8 @@ extern const MicroKernel kAvx512VnniKernel;  // external linkage: the registry r
 const MicroKernel kAvx512VnniKernel = {
     /*name=*/"avx512_vnni",
     /*required_features=*/kFeatAvx2 | kFeatAvx512Vnni,
-    /*nr=*/kNr,
-    /*reads_any_nr=*/false,
+    /*layout=*/{kNr, 4},
+    /*reads_any_layout=*/false,
     /*mr=*/kMr,
     /*a_elem_bytes=*/1,
     pack_a_row_biased_u8,

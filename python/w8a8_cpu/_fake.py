@@ -6,13 +6,13 @@ import json
 import torch
 
 _HEADER_BYTES = 64  # PackedWeightHeader in csrc/common/gemm_driver.h
-_KR = 4  # kPackKR in csrc/common/microkernel.h
 
 
 def _packed_weight_nbytes(n, k):
-    nr = json.loads(torch.ops.w8a8_cpu._info())["panel_width"]
+    info = json.loads(torch.ops.w8a8_cpu._info())
+    nr, kr = info["panel_width"], info["panel_depth"]  # PanelLayout of the active variant
     n_padded = (n + nr - 1) // nr * nr
-    k_padded = (k + _KR - 1) // _KR * _KR
+    k_padded = (k + kr - 1) // kr * kr
     return _HEADER_BYTES + n_padded * k_padded + 4 * n_padded
 
 

@@ -50,13 +50,17 @@ std::vector<int64_t> reference_matmul(const std::vector<int8_t>& a, const std::v
   return c;
 }
 
+int64_t blob_k_padded(const std::vector<uint8_t>& blob) {
+  return view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w").header->k_padded;
+}
+
 // Runs the variant's tile over every (row tile, panel) and returns the int32 accumulators [m, n].
 std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<int8_t>& a, const std::vector<int8_t>& w,
                                    const Shape& s) {
-  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.nr));
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
   const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
-  const int64_t kp = pw.header->k_padded, nr = pw.header->nr;
+  const int64_t kp = pw.header->k_padded, nr = pw.layout.nr;
   const size_t stride = static_cast<size_t>(kp) * kern.a_elem_bytes;
   std::vector<uint8_t> apack(s.m * stride);
   for (int64_t i = 0; i < s.m; ++i) kern.pack_a_row(a.data() + i * s.k, s.k, kp, apack.data() + i * stride);
@@ -64,8 +68,8 @@ std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<in
   for (int64_t r = 0; r < s.m; r += kern.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(kern.mr, s.m - r));
     for (int64_t p = 0; p < pw.header->n_padded / nr; ++p) {
-      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, pw.col_sums + p * nr,
-                static_cast<int>(nr), kp, tile.data());
+      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, pw.col_sums + p * nr, pw.layout, kp,
+                tile.data());
       for (int i = 0; i < rows; ++i)
         for (int64_t j = 0; j < nr && p * nr + j < s.n; ++j) c[(r + i) * s.n + p * nr + j] = tile[i * nr + j];
     }
@@ -180,9 +184,9 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
     std::vector<float> scales(s.m), out(s.m * s.n);
     CHECK(quantize_rows(*kern, x.data(), FloatKind::f32, s.m, s.k, s.k, q.data(), s.k, scales.data(), serial_for) == -1,
           "%s: finite rows reported bad", kern->name);
-    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->nr));
+    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->layout));
     pack_weight(*kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
-    std::vector<uint8_t> scratch(gemm_scratch_nbytes(*kern, s.m, s.k));
+    std::vector<uint8_t> scratch(gemm_scratch_nbytes(*kern, s.m, blob_k_padded(blob)));
     gemm(*kern, q.data(), s.m, s.k, scales.data(), view_packed_weight(blob.data(), blob.size(), "w"), w_scale.data(),
          bias.data(), out.data(), FloatKind::f32, s.n, scratch.data(), serial_for);
     if (first.empty()) first = out;

@@ -11,7 +11,7 @@ python3 -m pip install --quiet --no-build-isolation .
 echo "== C++ kernel tests (native) =="
 cmake -S . -B build/kernel-tests -G Ninja -DW8A8_CPU_BUILD_TORCH_OPS=OFF -DW8A8_CPU_BUILD_KERNEL_TESTS=ON
 cmake --build build/kernel-tests
-ctest --test-dir build/kernel-tests --output-on-failure -V | grep -E "variant|sweep|extreme|quantization|identical|OK|FAIL|tests passed"
+ctest --test-dir build/kernel-tests --output-on-failure -V | grep -E "variant|sweep|extreme|quantization|shared vectors|identical|OK|FAIL|tests passed"
 
 echo "== pytest =="
 python3 -m pytest tests -q -p no:cacheprovider

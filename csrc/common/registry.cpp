@@ -17,6 +17,15 @@ extern const MicroKernel kAvx2Kernel;
 #ifdef W8A8_CPU_HAVE_AVX512VNNI
 extern const MicroKernel kAvx512VnniKernel;
 #endif
+#ifdef W8A8_CPU_HAVE_NEON
+extern const MicroKernel kNeonKernel;
+#endif
+#ifdef W8A8_CPU_HAVE_DOTPROD
+extern const MicroKernel kDotprodKernel;
+#endif
+#ifdef W8A8_CPU_HAVE_I8MM
+extern const MicroKernel kI8mmKernel;
+#endif
 
 const std::vector<const MicroKernel*>& compiled_kernels() {
   static const std::vector<const MicroKernel*> kernels = {
@@ -26,6 +35,15 @@ const std::vector<const MicroKernel*>& compiled_kernels() {
 #endif
 #ifdef W8A8_CPU_HAVE_AVX512VNNI
       &kAvx512VnniKernel,
+#endif
+#ifdef W8A8_CPU_HAVE_NEON
+      &kNeonKernel,
+#endif
+#ifdef W8A8_CPU_HAVE_DOTPROD
+      &kDotprodKernel,
+#endif
+#ifdef W8A8_CPU_HAVE_I8MM
+      &kI8mmKernel,
 #endif
   };
   return kernels;

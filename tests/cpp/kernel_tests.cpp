@@ -91,6 +91,8 @@ std::vector<Shape> sweep_shapes(std::mt19937_64& rng, int count) {
   shapes.push_back({3, 33, 16384});
   shapes.push_back({2, 17, 16387});
   shapes.push_back({9, 100, 4096});
+  // Every row count of a tile (and of two tiles) at a long K; K not a multiple of 4 or 8 exercises padding.
+  for (int64_t m = 1; m <= 8; ++m) shapes.push_back({m, 3 + 5 * m, 16384 + 3 * m});
   std::uniform_int_distribution<int64_t> dm(1, 24), dn(1, 80), dk(1, 700);
   while (static_cast<int>(shapes.size()) < count) shapes.push_back({dm(rng), dn(rng), dk(rng)});
   return shapes;
@@ -168,6 +170,46 @@ void test_quantization(const MicroKernel& kern, uint64_t seed) {
   std::printf("  %-12s quantization: %" PRId64 " rows, %" PRId64 " mismatches\n", kern.name, rows, mismatches);
 }
 
+// Portable pseudo-random bytes (splitmix64): unlike std::uniform_int_distribution, whose algorithm is
+// implementation-specific, the sequence is the same on every arch and standard library, so the hash
+// below is a cross-arch constant.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  int8_t next_int8() { return static_cast<int8_t>(static_cast<uint8_t>(next() >> 56)); }  // all of -128..127
+};
+
+// FNV-1a (64-bit) over the int32 values as little-endian bytes, independent of host byte order.
+uint64_t fnv1a_int32(const std::vector<int32_t>& v) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (int32_t x : v) {
+    const uint32_t u = static_cast<uint32_t>(x);
+    for (int b = 0; b < 4; ++b) h = (h ^ ((u >> (8 * b)) & 0xffu)) * 0x100000001b3ull;
+  }
+  return h;
+}
+
+// Shared test vectors: the int32 accumulators of one fixed 13x77x1000 problem hash to the same constant on
+// every arch (x86_64, aarch64, ppc64le) and in every variant. The constant was computed with the ref variant.
+constexpr uint64_t kSharedVectorsHash = 0x9dbf4aee829f5ed7ull;
+void test_shared_vectors(const MicroKernel& kern) {
+  const Shape s{13, 77, 1000};
+  SplitMix64 gen{0x5738a8c0ffee2026ull};
+  std::vector<int8_t> a(s.m * s.k), w(s.n * s.k);
+  for (auto& x : a) x = gen.next_int8();
+  for (auto& x : w) x = gen.next_int8();
+  const uint64_t got = fnv1a_int32(kernel_matmul(kern, a, w, s));
+  CHECK(got == kSharedVectorsHash, "%s: shared test vectors hash 0x%016" PRIx64 ", expected 0x%016" PRIx64,
+        kern.name, got, kSharedVectorsHash);
+  std::printf("  %-12s shared vectors 13x77x1000: hash 0x%016" PRIx64 " %s\n", kern.name, got,
+              got == kSharedVectorsHash ? "(matches)" : "(WRONG)");
+}
+
 // The whole driver (quantize, pack, gemm, epilogue) gives bit-identical outputs in every variant.
 void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -232,6 +274,7 @@ int run(int argc, char** argv) {
     test_matmul_sweep(*kern, shapes, seed);
     test_extreme_k(*kern);
     test_quantization(*kern, seed);
+    test_shared_vectors(*kern);
   }
   test_driver_identical(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");

@@ -121,61 +121,79 @@ int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padd
   return m * a_row_stride(kernel, k_padded);
 }
 
+void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
+  if (!kernel_reads_layout(kernel, w.layout))
+    throw std::invalid_argument(std::string(arg) + ": weight was packed by the '" + w.header->packed_by +
+                                "' variant (panel " + std::to_string(w.layout.nr) + "x" + std::to_string(w.layout.kr) +
+                                "), which the active '" + kernel.name + "' variant cannot read (it reads " +
+                                std::to_string(kernel.layout.nr) + "x" + std::to_string(kernel.layout.kr) +
+                                "); re-pack the raw weight under the active variant");
+  if (kernel.mr * w.layout.nr > kMaxTileElems)
+    throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
+}
+
+int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded) { return a_row_stride(kernel, k_padded); }
+
+void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
+                 uint8_t* dst, const ParallelFor& parallel_for) {
+  const int64_t stride = a_row_stride(kernel, k_padded);
+  parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(k_padded, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) kernel.pack_a_row(a + r * lda, k, k_padded, dst + r * stride);
+  });
+}
+
+void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
+                        const float* a_scales, const PackedWeightView& w, int64_t panel, const float* w_scales,
+                        const float* bias, void* out, FloatKind out_kind, int64_t ldo) {
+  const int nr = w.layout.nr;
+  const int64_t k_padded = w.header->k_padded;
+  const int8_t* panel_data = w.panels + panel * k_padded * nr;
+  const int32_t* sums = w.col_sums + panel * nr;
+  const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header->n - n0);
+  const int64_t out_elem = out_kind == FloatKind::f32 ? 4 : 2;
+  int32_t c[kMaxTileElems];
+  for (int64_t r = r0; r < r1; r += kernel.mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(kernel.mr, r1 - r));
+    kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
+    for (int i = 0; i < rows; ++i) {
+      const float a_scale = a_scales[r + i];
+      void* out_row = static_cast<char*>(out) + (r + i) * ldo * out_elem;
+      for (int64_t j = 0; j < cols; ++j) {
+        // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
+        float v = static_cast<float>(c[i * nr + j]) * (a_scale * w_scales[n0 + j]);
+        if (bias) v += bias[n0 + j];
+        store_from_float(out_row, out_kind, n0 + j, v);
+      }
+    }
+  }
+}
+
 void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const float* a_scales,
           const PackedWeightView& w, const float* w_scales, const float* bias, void* out, FloatKind out_kind,
           int64_t ldo, void* scratch, const ParallelFor& parallel_for) {
+  check_kernel_reads(kernel, w, "w");
   const PackedWeightHeader& h = *w.header;
-  const int nr = w.layout.nr, mr = kernel.mr;
-  if (!kernel_reads_layout(kernel, w.layout))
-    throw std::invalid_argument(std::string("w: weight was packed by the '") + h.packed_by + "' variant (panel " +
-                                std::to_string(nr) + "x" + std::to_string(w.layout.kr) + "), which the active '" +
-                                kernel.name + "' variant cannot read (it reads " + std::to_string(kernel.layout.nr) +
-                                "x" + std::to_string(kernel.layout.kr) +
-                                "); re-pack the raw weight with pack_weight under the active variant");
-  if (mr * nr > kMaxTileElems) throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
   if (m == 0 || h.n == 0) return;
 
   // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
-  const int64_t a_stride = a_row_stride(kernel, h.k_padded);
   auto* a_packed = static_cast<uint8_t*>(scratch);
-  parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(h.k_padded, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) kernel.pack_a_row(a + r * lda, h.k, h.k_padded, a_packed + r * a_stride);
-  });
+  pack_a_rows(kernel, a, m, lda, h.k, h.k_padded, a_packed, parallel_for);
+  const int64_t a_stride = a_row_stride(kernel, h.k_padded);
 
   // Tasks are (panel, block of rows), panel-major: a thread's contiguous share of tasks is a contiguous
   // slice of the weight, streamed once (decode), reused from cache across its row blocks (prefill).
   // Every output element is produced by one tile call over the full K, so results do not depend on
   // how tasks are split among threads.
-  const int64_t rows_per_block = std::min<int64_t>(round_up(m, mr), 8 * mr);
+  const int64_t rows_per_block = std::min<int64_t>(round_up(m, kernel.mr), 8 * kernel.mr);
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
-  const int64_t panels = h.n_padded / nr;
-  const int64_t panel_bytes = h.k_padded * nr;
-  const int64_t macs_per_task = rows_per_block * panel_bytes;
+  const int64_t panels = h.n_padded / w.layout.nr;
+  const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(macs_per_task, 1));
-  const int64_t out_elem = out_kind == FloatKind::f32 ? 4 : 2;
   parallel_for(0, panels * row_blocks, grain, [&](int64_t t0, int64_t t1) {
-    int32_t c[kMaxTileElems];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / row_blocks, rb = t % row_blocks;
-      const int8_t* panel = w.panels + p * panel_bytes;
-      const int32_t* sums = w.col_sums + p * nr;
-      const int64_t n0 = p * nr, cols = std::min<int64_t>(nr, h.n - n0);
-      const int64_t r_end = std::min(m, (rb + 1) * rows_per_block);
-      for (int64_t r = rb * rows_per_block; r < r_end; r += mr) {
-        const int rows = static_cast<int>(std::min<int64_t>(mr, r_end - r));
-        kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel, sums, w.layout, h.k_padded,
-                    c);
-        for (int i = 0; i < rows; ++i) {
-          const float a_scale = a_scales[r + i];
-          void* out_row = static_cast<char*>(out) + (r + i) * ldo * out_elem;
-          for (int64_t j = 0; j < cols; ++j) {
-            // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
-            float v = static_cast<float>(c[i * nr + j]) * (a_scale * w_scales[n0 + j]);
-            if (bias) v += bias[n0 + j];
-            store_from_float(out_row, out_kind, n0 + j, v);
-          }
-        }
-      }
+      compute_panel_rows(kernel, a_packed, a_stride, rb * rows_per_block, std::min(m, (rb + 1) * rows_per_block),
+                         a_scales, w, p, w_scales, bias, out, out_kind, ldo);
     }
   });
 }

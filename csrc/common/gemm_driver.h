@@ -54,6 +54,21 @@ bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout);
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for);
 
+// Throws std::invalid_argument naming `arg` unless `kernel` reads w's layout.
+void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg);
+
+// A rows packed for `kernel` (pack_a_row) lie packed_a_stride bytes apart.
+int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded);
+void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
+                 uint8_t* dst, const ParallelFor& parallel_for);
+
+// The unit of work of every driver: rows [r0, r1) of packed A times one weight panel, through the tile
+// and the fp32 epilogue out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]), into out
+// (rows ldo elements apart, out_kind). The caller has checked check_kernel_reads.
+void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
+                        const float* a_scales, const PackedWeightView& w, int64_t panel, const float* w_scales,
+                        const float* bias, void* out, FloatKind out_kind, int64_t ldo);
+
 // Scratch bytes gemm() needs for m rows of A with k columns.
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded);
 

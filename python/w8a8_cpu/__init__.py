@@ -108,6 +108,40 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return _ops.pack_weight(w)
 
 
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pack MoE expert weights once: w13 int8 [E, 2I, H], w2 int8 [E, H, I] -> two uint8 [E, bytes] tensors
+    (one pack_weight blob per expert) that fused_experts accepts in place of the raw weights."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.int8 or w.dim() != 3 or w.shape[0] == 0:
+            raise ValueError(f"{name}: expected a non-empty int8 [E, N, K] tensor, got "
+                             f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    return (torch.stack([_ops.pack_weight(w) for w in w13.contiguous()]),
+            torch.stack([_ops.pack_weight(w) for w in w2.contiguous()]))
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Fused W8A8 MoE (sglang's CPU W8A8 semantics) -> [M, H] in hidden's dtype.
+
+    hidden [M, H] float; w13 int8 [E, 2I, H] (gate rows, then up rows) and w2 int8 [E, H, I], raw or from
+    pack_moe_weights; topk_weights [M, topk] float; topk_ids [M, topk] int32/int64 in [0, E);
+    w13_scale fp32 [E, 2I] or [E, 2I, 1]; w2_scale fp32 [E, H] or [E, H, 1]. Per (token, k): per-token int8
+    quant of hidden, gate_up = int8 mm with w13, act = silu(gate) * up re-quantized per row, down = int8 mm
+    with w2, out[token] += topk_weight * down (slots summed in order), one cast at the end.
+    apply_router_weight_on_input (topk == 1 only) scales the input by the weight instead of the output."""
+    return _ops.fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation,
+                              apply_router_weight_on_input)
+
+
 def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric quantization of a float [N, K] weight -> (w_q int8 [N, K], w_scale fp32 [N]).
 
@@ -134,5 +168,7 @@ __all__ = [
     "int8_scaled_mm_with_quant",
     "pack_weight",
     "quantize_weight",
+    "pack_moe_weights",
+    "fused_experts",
     "nn",
 ]

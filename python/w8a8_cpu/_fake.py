@@ -44,6 +44,13 @@ def register() -> None:
         _check_same_device(x, w=w, w_scale=w_scale, bias=bias)
         return x.new_empty((*x.shape[:-1], w_scale.shape[0]), dtype=out_dtype or x.dtype)
 
+    @register_fake("w8a8_cpu::fused_experts")
+    def _fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation="silu",
+                       apply_router_weight_on_input=False):
+        _check_same_device(hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                           w13_scale=w13_scale, w2_scale=w2_scale)
+        return hidden.new_empty(hidden.shape)
+
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):
         return w.new_empty((_packed_weight_nbytes(w.shape[0], w.shape[1]),), dtype=torch.uint8)

@@ -43,3 +43,24 @@ def int8_scaled_mm_fp64(x_q, w_q, x_scale, w_scale, bias=None) -> torch.Tensor:
     """Same math with an fp64 epilogue: the ideal result the fp32 kernels approximate."""
     out = int8_matmul(x_q, w_q) * (x_scale.reshape(-1, 1).double() * w_scale.reshape(1, -1).double())
     return out if bias is None else out + bias.double()
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, apply_router_weight_on_input=False):
+    """Per-expert loop with the op's math in torch (fp32 stages, exact integer matmuls, torch's silu)."""
+    m, h = hidden.shape
+    inter = w13.shape[1] // 2
+    x = hidden.float()
+    weights = topk_weights.float()
+    if apply_router_weight_on_input:
+        x, weights = x * weights, torch.ones_like(weights)
+    x_q, x_scale = per_token_quant_int8(x)
+    out = torch.zeros(m, h, dtype=torch.float32)
+    ids = topk_ids.long()
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate_up = int8_scaled_mm(x_q[tokens], w13[e], x_scale[tokens], w13_scale[e].reshape(-1))
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        a_q, a_scale = per_token_quant_int8(act)
+        down = int8_scaled_mm(a_q, w2[e], a_scale, w2_scale[e].reshape(-1))
+        out.index_add_(0, tokens, weights[tokens, slots][:, None] * down)
+    return out.to(hidden.dtype)

@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from .. import int8_scaled_mm_with_quant, pack_weight, quantize_weight
+from .. import fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
@@ -40,6 +40,56 @@ class W8A8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class W8A8MoE(torch.nn.Module):
+    """Mixture of SiLU-gated experts with W8A8 weights: router logits -> softmax -> top-k -> fused_experts.
+
+    w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I] the down projection. Weights are
+    quantized per output channel and packed once; forward(hidden [M, H], router_logits [M, E]) -> [M, H]."""
+
+    def __init__(self, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
+                 top_k: int, renormalize: bool = True):
+        super().__init__()
+        if not 1 <= top_k <= w13_q.shape[0]:
+            raise ValueError(f"top_k: must be in [1, {w13_q.shape[0]}] (number of experts), got {top_k}")
+        self.num_experts, inter2, self.hidden_size = w13_q.shape
+        self.intermediate_size = inter2 // 2
+        self.top_k, self.renormalize = top_k, renormalize
+        w13_packed, w2_packed = pack_moe_weights(w13_q, w2_q)
+        self.register_buffer("w13_packed", w13_packed)
+        self.register_buffer("w2_packed", w2_packed)
+        self.register_buffer("w13_scale", w13_scale.detach().to(torch.float32).reshape(self.num_experts, -1))
+        self.register_buffer("w2_scale", w2_scale.detach().to(torch.float32).reshape(self.num_experts, -1))
+
+    @staticmethod
+    def _quantize_experts(w: torch.Tensor):
+        e, n, k = w.shape
+        w_q, w_scale = quantize_weight(w.reshape(e * n, k))
+        return w_q.reshape(e, n, k), w_scale.reshape(e, n)
+
+    @classmethod
+    def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool = True) -> "W8A8MoE":
+        if w13.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"w13, w2: expected [E, 2I, H] and [E, H, I], got {tuple(w13.shape)}, {tuple(w2.shape)}")
+        return cls(*cls._quantize_experts(w13), *cls._quantize_experts(w2), top_k=top_k, renormalize=renormalize)
+
+    def route(self, router_logits: torch.Tensor):
+        """Top-k experts per token: (weights fp32 [M, top_k], ids int64 [M, top_k])."""
+        if router_logits.dim() != 2 or router_logits.shape[1] != self.num_experts:
+            raise ValueError(f"router_logits: expected [M, {self.num_experts}], got {tuple(router_logits.shape)}")
+        weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(router_logits)
+        return fused_experts(hidden, self.w13_packed, self.w2_packed, weights, ids, self.w13_scale, self.w2_scale)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"top_k={self.top_k}")
+
+
 def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     if skip is None:
         return False
@@ -69,4 +119,4 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Mo
     return model
 
 
-__all__ = ["W8A8Linear", "quantize_model"]
+__all__ = ["W8A8Linear", "W8A8MoE", "quantize_model"]

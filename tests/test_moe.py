@@ -1,0 +1,162 @@
+"""Fused W8A8 MoE against a per-expert torch loop with the same math, every runnable variant."""
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+
+
+def make_moe(m, h, inter, experts, topk, gen, dtype=torch.bfloat16, ids_dtype=torch.int64, skew=False):
+    hidden = torch.randn(m, h, generator=gen).to(dtype)
+    w13 = torch.randint(-127, 128, (experts, 2 * inter, h), dtype=torch.int8, generator=gen)
+    w2 = torch.randint(-127, 128, (experts, h, inter), dtype=torch.int8, generator=gen)
+    w13_scale = torch.rand(experts, 2 * inter, generator=gen) * 2e-3 + 1e-4
+    w2_scale = torch.rand(experts, h, generator=gen) * 2e-3 + 1e-4
+    topk_weights = torch.rand(m, topk, generator=gen)
+    if skew:  # every token to expert 0 (and the rest of its slots to 1, 2, ...)
+        ids = torch.arange(topk).repeat(m, 1)
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(m)] or
+                          [torch.empty(0, topk, dtype=torch.int64)]).reshape(m, topk)
+    return dict(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=ids.to(ids_dtype),
+                w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def run(args, **over):
+    a = {**args, **over}
+    return w8a8_cpu.fused_experts(a["hidden"], a["w13"], a["w2"], a["topk_weights"], a["topk_ids"], a["w13_scale"],
+                                  a["w2_scale"], a.get("activation", "silu"), a.get("on_input", False))
+
+
+def assert_matches_reference(got, args, on_input=False):
+    want = reference.fused_experts(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"],
+                                   args["w13_scale"], args["w2_scale"], on_input)
+    assert got.dtype == args["hidden"].dtype and got.shape == args["hidden"].shape
+    # Only the SiLU differs (ours is a polynomial exp); a flip of one re-quantized int8 moves an output by at most
+    # one activation step. sglang's bf16 tolerance is 1e-2 relative.
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * scale)
+
+
+CASES = [  # m, h, inter, experts, topk, ids dtype, skew
+    (1, 256, 256, 8, 2, torch.int64, False),
+    (6, 512, 512, 8, 4, torch.int32, False),
+    (32, 256, 256, 64, 8, torch.int64, False),
+    (64, 97, 45, 8, 2, torch.int32, False),
+    (200, 256, 128, 64, 4, torch.int64, False),
+    (200, 200, 136, 8, 8, torch.int32, False),
+    (64, 256, 256, 1, 1, torch.int64, False),
+    (32, 256, 256, 8, 2, torch.int64, True),
+    (17, 512, 256, 64, 1, torch.int32, True),
+]
+
+
+@pytest.mark.parametrize("m,h,inter,experts,topk,ids_dtype,skew", CASES)
+def test_fused_experts_matches_reference(variant, m, h, inter, experts, topk, ids_dtype, skew, gen):
+    args = make_moe(m, h, inter, experts, topk, gen, ids_dtype=ids_dtype, skew=skew)
+    assert_matches_reference(run(args), args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_experts_dtypes_and_packed(variant, dtype, gen):
+    args = make_moe(9, 160, 96, 8, 2, gen, dtype=dtype)
+    raw = run(args)
+    assert_matches_reference(raw, args)
+    w13_p, w2_p = w8a8_cpu.pack_moe_weights(args["w13"], args["w2"])
+    assert torch.equal(run(args, w13=w13_p, w2=w2_p, topk_weights=args["topk_weights"].to(dtype)),
+                       run(args, w13=w13_p, w2=w2_p, topk_weights=args["topk_weights"].to(dtype).float()))
+    assert torch.equal(run(args, w13=w13_p, w2=w2_p), raw)
+    assert torch.equal(run(args, w13_scale=args["w13_scale"][..., None], w2_scale=args["w2_scale"][..., None]), raw)
+
+
+def test_fused_experts_router_weight_on_input(variant, gen):
+    args = make_moe(12, 128, 64, 8, 1, gen)
+    assert_matches_reference(run(args, on_input=True), args, on_input=True)
+
+
+def test_fused_experts_bit_identical_across_variants_and_threads(gen):
+    args = make_moe(40, 256, 128, 16, 4, gen)
+    outputs = []
+    for name in w8a8_cpu.info()["runnable_variants"]:
+        with w8a8_cpu.use_variant(name):
+            outputs.append(run(args))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        outputs.append(run(args))
+    finally:
+        torch.set_num_threads(previous)
+    for out in outputs[1:]:
+        assert torch.equal(out, outputs[0])
+
+
+def test_fused_experts_empty_m(variant, gen):
+    args = make_moe(0, 64, 32, 4, 2, gen)
+    out = run(args)
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+def test_fused_experts_opcheck(gen):
+    args = make_moe(5, 64, 32, 4, 2, gen)
+    w13_p, w2_p = w8a8_cpu.pack_moe_weights(args["w13"], args["w2"])
+    for a in [args, {**args, "w13": w13_p, "w2": w2_p}]:
+        torch.library.opcheck(torch.ops.w8a8_cpu.fused_experts.default,
+                              (a["hidden"], a["w13"], a["w2"], a["topk_weights"], a["topk_ids"], a["w13_scale"],
+                               a["w2_scale"]))
+
+
+def test_w8a8_moe_module_and_compile(gen):
+    torch.manual_seed(0)
+    e, h, inter = 8, 128, 64
+    w13, w2 = torch.randn(e, 2 * inter, h) * 0.05, torch.randn(e, h, inter) * 0.05
+    moe = w8a8_cpu.nn.W8A8MoE.from_float(w13, w2, top_k=2)
+    x, logits = torch.randn(10, h, generator=gen), torch.randn(10, e, generator=gen)
+    y = moe(x, logits)
+    # float reference: same routing, unquantized experts
+    weights, ids = moe.route(logits)
+    want = torch.zeros_like(x)
+    for t in range(10):
+        for k in range(2):
+            g_u = w13[ids[t, k]] @ x[t]
+            want[t] += weights[t, k] * (w2[ids[t, k]] @ (torch.nn.functional.silu(g_u[:inter]) * g_u[inter:]))
+    assert (y - want).norm() / want.norm() < 0.03
+    compiled = torch.compile(moe, fullgraph=True)
+    torch.testing.assert_close(compiled(x, logits), y)  # inductor's softmax may round the router weights differently
+
+
+BAD = [
+    ("id too large", lambda a: run(a, topk_ids=a["topk_ids"].clone().fill_(4)), "topk_ids: value 4 at [0, 0] is outside [0, 4)"),
+    ("id negative", lambda a: run(a, topk_ids=a["topk_ids"].clone().fill_(-1)), "topk_ids: value -1"),
+    ("ids float", lambda a: run(a, topk_ids=a["topk_ids"].float()), "topk_ids: dtype must be int32 or int64"),
+    ("ids wrong m", lambda a: run(a, topk_ids=a["topk_ids"][:2]), "topk_ids: expected shape [5, topk]"),
+    ("topk 0", lambda a: run(a, topk_ids=a["topk_ids"][:, :0], topk_weights=a["topk_weights"][:, :0]),
+     "topk_ids: topk (dim 1) must be > 0"),
+    ("weights shape", lambda a: run(a, topk_weights=a["topk_weights"][:, :1]), "topk_weights: expected shape [5, 2]"),
+    ("weights int", lambda a: run(a, topk_weights=a["topk_ids"]), "topk_weights: dtype must be"),
+    ("w13 wrong H", lambda a: run(a, w13=a["w13"][:, :, :32].contiguous()), "w13: expected a raw int8 weight of shape [4, 64, 64]"),
+    ("w13 wrong E", lambda a: run(a, w13=a["w13"][:3].contiguous()), "w13: expected a raw int8 weight"),
+    ("w2 wrong I", lambda a: run(a, w2=a["w2"][:, :, :16].contiguous()), "w2: expected a raw int8 weight of shape [4, 64, 32]"),
+    ("w2 float", lambda a: run(a, w2=a["w2"].float()), "w2: expected a raw int8"),
+    ("w13_scale E", lambda a: run(a, w13_scale=a["w13_scale"][:3]), "w2_scale: expected shape [3, 64]"),
+    ("w13_scale odd", lambda a: run(a, w13_scale=a["w13_scale"][:, :63]), "w13_scale: dim 1 must be 2 * intermediate"),
+    ("w13_scale dtype", lambda a: run(a, w13_scale=a["w13_scale"].double()), "w13_scale: dtype must be float32"),
+    ("w2_scale shape", lambda a: run(a, w2_scale=a["w2_scale"][:, :10]), "w2_scale: expected shape [4, 64]"),
+    ("hidden int", lambda a: run(a, hidden=a["w13"][0]), "hidden: dtype must be"),
+    ("hidden 3-D", lambda a: run(a, hidden=a["hidden"][None]), "hidden: expected a 2-D"),
+    ("hidden NaN", lambda a: run(a, hidden=a["hidden"].index_fill(0, torch.tensor([3]), float("nan"))),
+     "hidden: row 3 contains NaN or Inf"),
+    ("activation", lambda a: run(a, activation="gelu"), "activation: only 'silu' is supported, got 'gelu'"),
+    ("on input topk 2", lambda a: run(a, on_input=True), "apply_router_weight_on_input: requires topk == 1"),
+    ("packed wrong shape", lambda a: run(a, w13=w8a8_cpu.pack_moe_weights(a["w2"], a["w2"])[0]),
+     "w13: expert 0 was packed with shape [64, 32], expected [64, 64]"),
+    ("packed garbage", lambda a: run(a, w13=torch.zeros(4, 100, dtype=torch.uint8)), "w13: 1-D uint8 tensor is not a packed"),
+    ("pack_moe 2-D", lambda a: w8a8_cpu.pack_moe_weights(a["w13"][0], a["w2"]), "w13: expected a non-empty int8 [E, N, K]"),
+]
+
+
+@pytest.mark.parametrize("call,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_fused_experts_bad_input(call, fragment, gen):
+    args = make_moe(5, 64, 32, 4, 2, gen)
+    with pytest.raises((ValueError, RuntimeError)) as exc:
+        call(args)
+    assert fragment in str(exc.value)

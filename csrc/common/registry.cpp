@@ -26,6 +26,12 @@ extern const MicroKernel kDotprodKernel;
 #ifdef W8A8_CPU_HAVE_I8MM
 extern const MicroKernel kI8mmKernel;
 #endif
+#ifdef W8A8_CPU_HAVE_VSX
+extern const MicroKernel kVsxKernel;
+#endif
+#ifdef W8A8_CPU_HAVE_MMA
+extern const MicroKernel kMmaKernel;
+#endif
 
 const std::vector<const MicroKernel*>& compiled_kernels() {
   static const std::vector<const MicroKernel*> kernels = {
@@ -44,6 +50,12 @@ const std::vector<const MicroKernel*>& compiled_kernels() {
 #endif
 #ifdef W8A8_CPU_HAVE_I8MM
       &kI8mmKernel,
+#endif
+#ifdef W8A8_CPU_HAVE_VSX
+      &kVsxKernel,
+#endif
+#ifdef W8A8_CPU_HAVE_MMA
+      &kMmaKernel,
 #endif
   };
   return kernels;

@@ -20,6 +20,10 @@
 
 using namespace w8a8_cpu;
 
+namespace w8a8_cpu {
+int run_moe_tests(const std::vector<const MicroKernel*>& kernels, uint64_t seed);  // moe_tests.cpp
+}
+
 namespace {
 
 int g_failures = 0;
@@ -277,6 +281,7 @@ int run(int argc, char** argv) {
     test_shared_vectors(*kern);
   }
   test_driver_identical(runnable, seed);
+  g_failures += run_moe_tests(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");
   std::printf("%s: %zu variants run, %d failures\n", g_failures ? "FAILED" : "OK", runnable.size(), g_failures);
   return g_failures ? 1 : 0;

@@ -1,0 +1,14 @@
+// Pieces of the VSX variant that the MMA variant reuses. They are defined in vsx.cpp, which is compiled
+// for the POWER8 baseline: code that must run on every ppc64le CPU lives only there, because a TU built
+// with -mcpu=power10 may contain prefixed / MMA instructions anywhere.
+#pragma once
+
+#include "../common/microkernel.h"
+
+namespace w8a8_cpu {
+// Packed A row for the ppc64 variants: uint8 a + 128 (vmsummbm and xvi8ger4 take one unsigned operand),
+// padded with 128 (a = 0) up to k_padded.
+void vsx_pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* dst);
+uint32_t vsx_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
+void vsx_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
+}  // namespace w8a8_cpu

@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
-# The project's test command (README): installs the Python test dependencies, builds and installs the
-# package, builds and runs the torch-free C++ kernel tests, then runs pytest. Any failure, or a pytest
-# run that collects no tests (exit 5), fails the script.
+# The project's test command (README). Stages, each must pass:
+#   1. install the Python test dependencies, build and install the package;
+#   2. native C++ kernel tests (every variant this CPU runs) and pytest;
+#   3. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
+#   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user.
+# Any failure, or a pytest run that collects no tests (exit 5), fails the script.
+# W8A8_CI_SKIP_EMULATION=1 skips stages 3-4 (for quick local runs; CI never sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+T0=$SECONDS
+section() { echo; echo "===== [$((SECONDS - T0))s] $*"; }
 
+section "install"
 python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest
 python3 -m pip install --quiet --no-build-isolation .
 
-echo "== C++ kernel tests (native) =="
-cmake -S . -B build/kernel-tests -G Ninja -DW8A8_CPU_BUILD_TORCH_OPS=OFF -DW8A8_CPU_BUILD_KERNEL_TESTS=ON
-cmake --build build/kernel-tests
-ctest --test-dir build/kernel-tests --output-on-failure -V | grep -E "variant|sweep|extreme|quantization|shared vectors|identical|OK|FAIL|tests passed"
+section "C++ kernel tests (native)"
+cmake -S . -B build/kernel-tests -G Ninja -DW8A8_CPU_BUILD_TORCH_OPS=OFF -DW8A8_CPU_BUILD_KERNEL_TESTS=ON >/dev/null
+cmake --build build/kernel-tests >/dev/null
+ctest --test-dir build/kernel-tests --output-on-failure -V |
+  grep -E "variant|sweep|extreme|quantization|identical|shared vectors|MoE|OK|FAIL|tests passed"
 
-echo "== pytest =="
+section "pytest (native)"
 python3 -m pytest tests -q -p no:cacheprovider
+
+if [ "${W8A8_CI_SKIP_EMULATION:-0}" = 1 ]; then
+  section "emulated stages skipped (W8A8_CI_SKIP_EMULATION=1)"
+  exit 0
+fi
+
+section "C++ kernel tests (emulated)"
+for run in "aarch64 cortex-a72 neon" "aarch64 neoverse-n1 dotprod" "aarch64 max i8mm" \
+           "ppc64le power9 vsx" "ppc64le power10 mma"; do
+  read -r arch model variant <<< "$run"
+  ci/emulate "$arch" --cpu "$model" -- kernel-tests --expect-selected "$variant" |
+    grep -E "selected variant|sweep|shared vectors|MoE|OK|FAIL|SIGILL"
+done
+
+section "Python tests (emulated aarch64, torch 2.10.0)"
+bash ci/emulated-python-matrix.sh aarch64
+
+section "done in $((SECONDS - T0))s"

@@ -1,3 +1,6 @@
+import os
+import sys
+
 import pytest
 import torch
 
@@ -23,3 +26,23 @@ def variant(request):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+# Set by ci/emulate-python: the run is under qemu-user, where the exhaustive shape grids take too long.
+EMULATED = bool(os.environ.get("W8A8_CPU_TEST_EMULATOR"))
+
+
+def python_command():
+    """argv prefix that starts a child Python like this one. Under ci/emulate-python (qemu-user without
+    binfmt_misc) the emulated interpreter cannot exec target binaries itself, so the child is started
+    through the emulator named in $W8A8_CPU_TEST_EMULATOR; it inherits QEMU_CPU / QEMU_LD_PREFIX."""
+    emulator = os.environ.get("W8A8_CPU_TEST_EMULATOR")
+    return [emulator, sys.executable] if emulator else [sys.executable]
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow_under_emulation: heavy or host-compiler-dependent test, deselected by the emulated CI stage "
+        "(ci/emulated-python-matrix.sh runs -m 'not slow_under_emulation')",
+    )

@@ -69,4 +69,20 @@ void store_from_float(void* y, FloatKind kind, int64_t i, float v) {
   }
 }
 
+void store_row_from_float(void* y, FloatKind kind, const float* v, int64_t n) {
+  switch (kind) {
+    case FloatKind::f32: std::memcpy(y, v, static_cast<size_t>(n) * 4); break;
+    case FloatKind::bf16: {
+      auto* out = static_cast<uint16_t*>(y);
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16_bits(v[i]);
+      break;
+    }
+    case FloatKind::f16: {
+      auto* out = static_cast<uint16_t*>(y);
+      for (int64_t i = 0; i < n; ++i) out[i] = float_to_f16_bits(v[i]);
+      break;
+    }
+  }
+}
+
 }  // namespace w8a8_cpu

@@ -152,18 +152,19 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header->n - n0);
   const int64_t out_elem = out_kind == FloatKind::f32 ? 4 : 2;
   int32_t c[kMaxTileElems];
+  float v[kMaxTileElems];
+  const float* ws = w_scales + n0;
   for (int64_t r = r0; r < r1; r += kernel.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(kernel.mr, r1 - r));
     kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
     for (int i = 0; i < rows; ++i) {
       const float a_scale = a_scales[r + i];
-      void* out_row = static_cast<char*>(out) + (r + i) * ldo * out_elem;
-      for (int64_t j = 0; j < cols; ++j) {
-        // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
-        float v = static_cast<float>(c[i * nr + j]) * (a_scale * w_scales[n0 + j]);
-        if (bias) v += bias[n0 + j];
-        store_from_float(out_row, out_kind, n0 + j, v);
-      }
+      const int32_t* ci = c + i * nr;
+      // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
+      for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<float>(ci[j]) * (a_scale * ws[j]);
+      if (bias)
+        for (int64_t j = 0; j < cols; ++j) v[j] += bias[n0 + j];
+      store_row_from_float(static_cast<char*>(out) + ((r + i) * ldo + n0) * out_elem, out_kind, v, cols);
     }
   }
 }

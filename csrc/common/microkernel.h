@@ -52,6 +52,8 @@ struct MicroKernel {
 // Scalar helpers shared by the reference kernels and the driver (baseline ISA).
 float load_as_float(const void* x, FloatKind kind, int64_t i);
 void store_from_float(void* y, FloatKind kind, int64_t i, float v);
+// y[i] = v[i] for i < n in `kind`: one dispatch per row, loops the compiler vectorizes.
+void store_row_from_float(void* y, FloatKind kind, const float* v, int64_t n);
 uint16_t float_to_bf16_bits(float v);  // round to nearest even, NaN stays NaN
 uint16_t float_to_f16_bits(float v);   // round to nearest even, overflow -> Inf, NaN stays NaN
 float bf16_bits_to_float(uint16_t h);

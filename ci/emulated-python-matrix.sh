@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# ci/emulated-python-matrix.sh [ARCH] - the Python-level emulated test stage.
+#
+# For each (qemu CPU model, expected variant) of ARCH, via ci/emulate-python (which builds and caches the
+# target rootfs, wheels and the cross-built op library under build/emulated-ARCH/ on first use):
+#   1. dispatch check: w8a8_cpu.info()["selected_variant"] must be the expected variant, and that variant
+#      must be compiled into the build (a build without it fails; it never passes silently);
+#   2. the pytest subset below.
+# Each stage is reported on its own with its wall time; a crash by signal (SIGILL: exit 132) is named.
+# Exit status: non-zero if any stage failed.
+#
+# The pytest subsets. An emulated torch import costs 15-50 s and kernels run ~10-50x slower than native, so
+# `full` is the whole suite minus the tests marked slow_under_emulation (torch.compile/inductor needs a C++
+# compiler for the target; the CLI benchmark job is slow), with the smaller shape grids tests/conftest.py
+# selects under emulation; `smoke` is its exact-reference, bit-identity and bad-input tests of the ops and
+# the MoE. Subprocess tests start their child python through qemu (tests/conftest.py: python_command()).
+# W8A8_EMU_PYTEST_ARGS replaces both.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+ARCH=${1:-aarch64}
+case $ARCH in
+  # model, variant dispatch must select, pytest selection: `full` on the model that runs every variant,
+  # `smoke` (the selected variant end to end, no SIGILL anywhere in the package) on the others.
+  aarch64) MATRIX=("max i8mm full" "neoverse-n1 dotprod smoke" "a64fx neon smoke") ;;
+  # torch here is Debian bookworm's 1.13.1 (no ppc64le torch on PyPI / conda-forge): tests needing
+  # torch.library.opcheck (>= 2.4) or torch.compile (>= 2.0) skip themselves with that reason.
+  ppc64le) MATRIX=("power9 vsx" "power10 mma") ;;
+  *) echo "emulated-python-matrix: unsupported ARCH '$ARCH'" >&2; exit 2 ;;
+esac
+FULL_ARGS=(tests -m "not slow_under_emulation")
+SMOKE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py -m "not slow_under_emulation"
+            -k "quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input")
+if [ -n "${W8A8_EMU_PYTEST_ARGS:-}" ]; then
+  read -r -a FULL_ARGS <<< "$W8A8_EMU_PYTEST_ARGS"   # split on whitespace, no quoting
+  SMOKE_ARGS=("${FULL_ARGS[@]}")
+fi
+
+RESULTS=()
+FAILED=0
+describe() {  # exit status -> words
+  local rc=$1
+  case $rc in
+    0) echo "ok" ;;
+    132) echo "CRASH: SIGILL (illegal instruction, exit 132)" ;;
+    134) echo "CRASH: SIGABRT (exit 134)" ;;
+    139) echo "CRASH: SIGSEGV (exit 139)" ;;
+    5) echo "FAILED: pytest collected no tests (exit 5)" ;;
+    *) if [ "$rc" -gt 128 ]; then echo "CRASH: signal $((rc - 128)) (exit $rc)"; else echo "FAILED (exit $rc)"; fi ;;
+  esac
+}
+stage() {  # stage NAME CMD... : run, time, record
+  local name=$1; shift
+  echo
+  echo "=== [$ARCH] $name"
+  local t0=$SECONDS rc=0
+  "$@" || rc=$?
+  local line
+  line=$(printf '%-44s %-6s %s' "$name" "$((SECONDS - t0))s" "$(describe "$rc")")
+  echo "--- $line"
+  RESULTS+=("$line")
+  [ "$rc" -eq 0 ] || FAILED=1
+}
+
+# Build (rootfs, wheels, cross-built extension) once, timed as its own stage, so the per-model stages time
+# only the emulated work.
+read -r first_model _ <<< "${MATRIX[0]}"
+stage "build (rootfs + wheels + cross-build)" bash ci/emulate-python "$ARCH" "$first_model" python -c pass
+
+for entry in "${MATRIX[@]}"; do
+  read -r model expected selection <<< "$entry"
+  if [ "$selection" = full ]; then PYTEST_ARGS=("${FULL_ARGS[@]}"); else PYTEST_ARGS=("${SMOKE_ARGS[@]}"); fi
+  # python -c exits 1 on an assertion, 128+n (132: SIGILL) when qemu kills it; children of the emulated
+  # python report a signal as -n (-4: SIGILL), which pytest shows in its failure output.
+  stage "$model: selected_variant == $expected" \
+    bash ci/emulate-python "$ARCH" "$model" python -c "
+import w8a8_cpu
+info = w8a8_cpu.info()
+print(info)
+expected = '$expected'
+assert expected in info['compiled_variants'], (
+    f'variant {expected!r} is not compiled into this build (compiled: {info[\"compiled_variants\"]})')
+assert info['selected_variant'] == expected, (
+    f'qemu -cpu $model: selected {info[\"selected_variant\"]!r}, expected {expected!r}')
+"
+  stage "$model: pytest ($selection)" \
+    bash ci/emulate-python "$ARCH" "$model" python -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}"
+done
+
+echo
+echo "=== [$ARCH] emulated Python stage summary"
+printf '%s\n' "${RESULTS[@]}"
+exit "$FAILED"

@@ -2,10 +2,12 @@
 # The project's test command (README). Stages, each must pass:
 #   1. install the Python test dependencies, build and install the package;
 #   2. native C++ kernel tests (every variant this CPU runs) and pytest;
-#   3. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
-#   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user.
+#   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv);
+#   4. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
+#   5. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
+#   6. the conda recipe verified offline (render, linux-64 + cross linux-aarch64 packages, install, test).
 # Any failure, or a pytest run that collects no tests (exit 5), fails the script.
-# W8A8_CI_SKIP_EMULATION=1 skips stages 3-4 (for quick local runs; CI never sets it).
+# W8A8_CI_SKIP_EMULATION=1 skips stages 4-5 and the aarch64 conda package (quick local runs; CI never sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
@@ -24,8 +26,13 @@ ctest --test-dir build/kernel-tests --output-on-failure -V |
 section "pytest (native)"
 python3 -m pytest tests -q -p no:cacheprovider
 
+section "wheel: build, auditwheel repair, fresh venv, packaged tests"
+bash ci/wheels/check.sh
+
 if [ "${W8A8_CI_SKIP_EMULATION:-0}" = 1 ]; then
-  section "emulated stages skipped (W8A8_CI_SKIP_EMULATION=1)"
+  section "conda recipe (offline; aarch64 skipped)"
+  python3 ci/conda/verify.py --skip-aarch64
+  section "emulated stages skipped (W8A8_CI_SKIP_EMULATION=1); done in $((SECONDS - T0))s"
   exit 0
 fi
 
@@ -39,5 +46,8 @@ done
 
 section "Python tests (emulated aarch64, torch 2.10.0)"
 bash ci/emulated-python-matrix.sh aarch64
+
+section "conda recipe (offline: render, linux-64 + cross linux-aarch64 build, package, install, test)"
+python3 ci/conda/verify.py --require-aarch64
 
 section "done in $((SECONDS - T0))s"

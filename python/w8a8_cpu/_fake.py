@@ -23,11 +23,30 @@ def _check_same_device(first, **tensors):
             raise ValueError(f"{name}: expected a CPU tensor on the same device as the activations, got {t.device}")
 
 
+_meta_library = None  # torch < 2.1 only: keeps the Meta registrations alive
+
+
+def _register_meta(qualname):
+    """torch < 2.1 (e.g. Debian's 1.13 on ppc64le) has no fake-kernel API: register the same function as the
+    op's Meta-dispatch kernel instead, so meta tensors still get shape inference and mixed devices still fail
+    (torch.compile / opcheck, the other users of fake kernels, do not exist there)."""
+    global _meta_library
+    if _meta_library is None:
+        _meta_library = torch.library.Library("w8a8_cpu", "IMPL")
+
+    def decorate(fn):
+        # AutogradMeta too: torch 1.13 has no autograd fallthrough for Meta (it has one for CPU).
+        for key in ("Meta", "AutogradMeta"):
+            _meta_library.impl(qualname.split("::")[-1], fn, key)
+        return fn
+
+    return decorate
+
+
 def register() -> None:
-    # torch >= 2.4 has register_fake; 2.1-2.3 call it impl_abstract; older torch runs the ops eagerly only.
-    register_fake = getattr(torch.library, "register_fake", None) or getattr(torch.library, "impl_abstract", None)
-    if register_fake is None:
-        return
+    # torch >= 2.4 has register_fake; 2.1-2.3 call it impl_abstract; older torch gets Meta kernels.
+    register_fake = (getattr(torch.library, "register_fake", None) or getattr(torch.library, "impl_abstract", None)
+                     or _register_meta)
 
     @register_fake("w8a8_cpu::per_token_quant_int8")
     def _per_token_quant_int8(x):

@@ -73,12 +73,8 @@ void tile_smmla(const int8_t* a, size_t a_stride, const int8_t* panel, int64_t k
 void i8mm_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const int8_t*>(a);
-  switch (m) {
-    case 1: return gemv_sdot(a8, panel, k_padded, c);
-    case 2: return tile_smmla<2>(a8, a_row_stride, panel, k_padded, c);
-    case 3: return tile_smmla<3>(a8, a_row_stride, panel, k_padded, c);
-    default: return tile_smmla<4>(a8, a_row_stride, panel, k_padded, c);
-  }
+  if (m == 1) return gemv_sdot(a8, panel, k_padded, c);
+  with_row_count<4>(m, [&](auto rows) { tile_smmla<decltype(rows)::value>(a8, a_row_stride, panel, k_padded, c); });
 }
 
 }  // namespace

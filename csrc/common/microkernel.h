@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace w8a8_cpu {
 
@@ -48,6 +50,16 @@ struct MicroKernel {
   // q[k] = clamp(round_half_even(x[k] * inv_scale), -127, 127). Identical in every variant.
   void (*quantize_row)(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 };
+
+// Calls f(std::integral_constant<int, M>{}) with M = min(m, MaxM), m >= 1: lets each variant write its tile
+// once as a template over a compile-time row count (register blocking) and pick it from the driver's m.
+template <int MaxM, typename F>
+inline void with_row_count(int m, F&& f) {
+  if constexpr (MaxM > 1) {
+    if (m < MaxM) return with_row_count<MaxM - 1>(m, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, MaxM>{});
+}
 
 // Scalar helpers shared by the reference kernels and the driver (baseline ISA).
 float load_as_float(const void* x, FloatKind kind, int64_t i);

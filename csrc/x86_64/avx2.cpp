@@ -64,12 +64,7 @@ void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
                int64_t k_padded, int32_t* c) {
   const auto* a16 = static_cast<const int16_t*>(a);
   const size_t stride = a_row_stride / sizeof(int16_t);
-  switch (m) {
-    case 1: return tile_rows<1>(a16, stride, panel, k_padded, c);
-    case 2: return tile_rows<2>(a16, stride, panel, k_padded, c);
-    case 3: return tile_rows<3>(a16, stride, panel, k_padded, c);
-    default: return tile_rows<4>(a16, stride, panel, k_padded, c);
-  }
+  with_row_count<4>(m, [&](auto rows) { tile_rows<decltype(rows)::value>(a16, stride, panel, k_padded, c); });
 }
 
 // Loads 8 elements as fp32 (bf16: shift into the high half; fp16: F16C, exact).

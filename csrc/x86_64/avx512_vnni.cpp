@@ -60,16 +60,9 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
 void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const uint8_t*>(a);
-  switch (m) {
-    case 1: return tile_rows<1>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 2: return tile_rows<2>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 3: return tile_rows<3>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 4: return tile_rows<4>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 5: return tile_rows<5>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 6: return tile_rows<6>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    case 7: return tile_rows<7>(a8, a_row_stride, panel, col_sums, k_padded, c);
-    default: return tile_rows<8>(a8, a_row_stride, panel, col_sums, k_padded, c);
-  }
+  with_row_count<8>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, col_sums, k_padded, c);
+  });
 }
 
 }  // namespace

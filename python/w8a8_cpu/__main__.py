@@ -1,5 +1,5 @@
-"""python -m w8a8_cpu [demo | check]: the main job on a real model (demo), or the CPU/dispatch report, self-check
-of every runnable variant and short benchmark (check). No subcommand: demo when the demo extra is installed, else
+"""python -m w8a8_cpu [demo | check | bench]: the main job on a real model (demo), the CPU/dispatch report, self-check
+of every runnable variant and short benchmark (check), or the benchmark suite on real-model shapes (bench). No subcommand: demo when the demo extra is installed, else
 check; options without a subcommand (--shape, --iters, ...) mean check, as before subcommands existed."""
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def _parsers():
         "installed (pip install 'w8a8-cpu[demo]'), else 'check'. Options without a subcommand "
         "(e.g. --shape 4 64 128) run 'check'. Set W8A8_CPU_ISA=<variant> to force a kernel variant.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,check,bench}")
     demo = sub.add_parser("demo", help="main job: W8A8 all-MiniLM-L6-v2 vs fp32 (accuracy, size, speed)",
                           description=DEMO_DESCRIPTION)
     demo.add_argument("--iters", type=int, default=2, help="timed encode calls per round, 3 rounds (default 2)")
@@ -140,7 +140,12 @@ def _parsers():
     check.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     check.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    return parser, {"demo": demo, "check": check}
+    from w8a8_cpu import bench as bench_mod
+
+    bench = sub.add_parser("bench", help="benchmark suite: Llama-3-8B-like linears and MoE vs torch baselines",
+                           description=bench_mod.DESCRIPTION)
+    bench_mod.add_arguments(bench)
+    return parser, {"demo": demo, "check": check, "bench": bench}
 
 
 def main(argv: List[str] = None) -> int:
@@ -167,6 +172,10 @@ def main(argv: List[str] = None) -> int:
     args = parser.parse_args(argv)
     if hint:
         print(hint)
+    if args.command == "bench":
+        from w8a8_cpu import bench as bench_mod
+
+        return bench_mod.run(args)
     return _run_demo(args, subs["demo"]) if args.command == "demo" else _run_check(args, subs["check"])
 
 

@@ -1,0 +1,524 @@
+"""python -m w8a8_cpu bench: W8A8 linear and fused MoE vs torch baselines on shapes from real models.
+
+Every number comes from one run: the same process, the same torch thread count, candidates timed in interleaved
+repetitions (round r times every candidate once before round r+1 starts, so drift and noise from other jobs hit
+all of them alike) after warm-up, median of the repetitions. Targets are printed as PASS/FAIL lines computed from
+that same run; nothing here asserts a timing.
+
+Linear candidates (fp32 activations unless noted; weights made once per shape):
+  w8a8_cpu        w8a8_cpu.nn.W8A8Linear: fused per-token quant + int8 GEMM on packed weights, fp32 in/out
+  torch fp32      x @ w.t() with fp32 x, w
+  torch bf16      x @ w.t() with bf16 x, w
+  torch.ao int8   torch.ao.quantization.quantize_dynamic nn.Linear (engine: x86/fbgemm on x86, qnnpack on Arm)
+  torch int8 wo   torch._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N]): weight-only int8
+Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
+and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The streaming-read reference is
+torch.sum over a 256 MiB float32 tensor (best of a few, measured before and after the cases), so
+decode efficiency = w8a8_cpu weight bytes per second / that bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import w8a8_cpu
+
+# Llama-3-8B-like linear layers (N output features x K input features).
+SHAPES: Dict[str, tuple] = {
+    "4096x4096": (4096, 4096),     # o_proj
+    "14336x4096": (14336, 4096),   # gate_proj / up_proj
+    "4096x14336": (4096, 14336),   # down_proj
+    "6144x4096": (6144, 4096),     # fused qkv_proj (GQA: 4096 + 2 * 1024)
+}
+SHAPE_ROLES = {"4096x4096": "o_proj", "14336x4096": "gate/up_proj", "4096x14336": "down_proj",
+               "6144x4096": "qkv_proj"}
+DECODE_M = (1, 4, 16)
+PREFILL_M = (128, 512)
+ALL_M = DECODE_M + PREFILL_M
+
+OURS = "w8a8_cpu"
+FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
+BASELINES = (FP32, BF16, AO, WO)
+
+# MoE (Qwen/DeepSeek-like small experts): hidden H, intermediate I, cases (M, E, topk).
+MOE_H, MOE_I = 2048, 768
+MOE_CASES = [(m, e, k) for m in (1, 16, 128) for e, k in ((8, 2), (64, 8))]
+MOE_OURS, MOE_LOOP, MOE_BF16, MOE_FP32 = ("w8a8_cpu fused_experts", "loop of w8a8_cpu linear", "torch bf16 loop",
+                                          "torch fp32 loop")
+
+QUICK_SHAPES = ("4096x4096",)
+QUICK_M = (1, 16)
+QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
+
+
+# --------------------------------------------------------------------------------------------------- timing
+
+class Progress:
+    """A one-line progress bar on stderr (a final line only when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if not self.tty and self.done not in (1, self.total):
+            return
+        width = 28
+        filled = width * self.done // self.total
+        elapsed = time.perf_counter() - self.t0
+        line = f"  bench [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
+        end = "\n" if self.done >= self.total or not self.tty else ""
+        sys.stderr.write(("\r" if self.tty else "") + f"{line:<100}"[:100] + end)
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled and self.tty and self.done < self.total:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()
+
+
+def interleaved(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int,
+                inner: int = 1) -> Dict[str, List[float]]:
+    """Seconds per call of each candidate: `warmup` untimed calls each, then `reps` rounds; each round times
+    every candidate once (`inner` back-to-back calls per sample, for calls too short for one clock read)."""
+    samples: Dict[str, List[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for fn in candidates.values():
+                fn()
+        for _ in range(reps):
+            for name, fn in candidates.items():
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / inner)
+    return samples
+
+
+def read_bandwidth(mib: int = 256, tries: int = 5) -> float:
+    """Streaming-read reference in GB/s: best of `tries` torch.sum over a `mib` MiB float32 tensor (one pass,
+    no writes, far larger than the caches: bandwidth-bound on a few threads)."""
+    a = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    a.sum()  # fault the pages in and warm up
+    best = float("inf")
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 4 / best / 1e9
+
+
+# --------------------------------------------------------------------------------------------------- linear
+
+def _ao_dynamic(linear: torch.nn.Linear):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def _ao_engine() -> str:
+    engines = torch.backends.quantized.supported_engines
+    arm = w8a8_cpu.info()["arch"] == "aarch64"
+    for engine in (("qnnpack",) if arm else ("x86", "fbgemm")) + ("qnnpack", "x86", "fbgemm", "onednn"):
+        if engine in engines:
+            return engine
+    return torch.backends.quantized.engine
+
+
+def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, str]):
+    """Builds every linear candidate for one [N, K] weight. Returns (make(m) -> {name: fn}, weight bytes)."""
+    linear = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+    w = linear.weight.detach()
+    ours = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    w_bf16 = w.to(torch.bfloat16)
+    weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n}
+    dyn = None
+    try:
+        dyn = _ao_dynamic(linear)
+    except Exception as e:  # not every torch build ships a quantized engine
+        errors[AO] = f"{type(e).__name__}: {e}"
+    wo_w = wo_s = None
+    try:
+        w_q, w_scale = w8a8_cpu.quantize_weight(w)
+        wo_w, wo_s = w_q, w_scale.to(torch.bfloat16)
+        torch._weight_int8pack_mm(torch.zeros(1, k, dtype=torch.bfloat16), wo_w, wo_s)
+    except Exception as e:
+        errors[WO] = f"{type(e).__name__}: {e}"
+        wo_w = None
+    del linear
+
+    def make(m: int) -> Dict[str, Callable[[], object]]:
+        x = torch.randn(m, k, generator=gen)
+        xb = x.to(torch.bfloat16)
+        fns = {OURS: lambda: ours(x), FP32: lambda: x @ w.t(), BF16: lambda: xb @ w_bf16.t()}
+        if dyn is not None:
+            fns[AO] = lambda: dyn(x)
+        if wo_w is not None:
+            fns[WO] = lambda: torch._weight_int8pack_mm(xb, wo_w, wo_s)
+        return fns
+
+    return make, weight_bytes
+
+
+def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[float]],
+                     weight_bytes: Dict[str, int], bw_ref: Optional[float]) -> dict:
+    results = {}
+    for cand, s in samples.items():
+        sec = statistics.median(s)
+        results[cand] = {"ms": sec * 1e3, "gops": 2.0 * m * n * k / sec / 1e9,
+                         "weight_gbs": weight_bytes[cand] / sec / 1e9, "weight_bytes": weight_bytes[cand],
+                         "samples": len(s)}
+    ours = results[OURS]["ms"]
+    ratios = {cand: r["ms"] / ours for cand, r in results.items() if cand != OURS}
+    case = {"shape": name, "role": SHAPE_ROLES.get(name, ""), "m": m, "n": n, "k": k,
+            "phase": "decode" if m <= 16 else "prefill", "results": results, "speedup": ratios}
+    if bw_ref:
+        case["decode_efficiency"] = results[OURS]["weight_gbs"] / bw_ref
+    return case
+
+
+# --------------------------------------------------------------------------------------------------- MoE
+
+def moe_float_loop(x, w13, w2, weights, ids):
+    """The torch reference: per-expert dense matmuls in the weights' dtype."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate_up = x[tokens] @ w13[e].T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, (weights[tokens, slots, None] * (act @ w2[e].T)).float())
+    return out.to(x.dtype)
+
+
+def moe_linear_loop(x, w13_p, s13, w2_p, s2, weights, ids, inter):
+    """The same MoE from our W8A8 linear op, one call per expert and projection."""
+    out = torch.zeros(x.shape[0], s2.shape[1], dtype=torch.float32)
+    for e in ids.unique().tolist():
+        tokens, slots = (ids == e).nonzero(as_tuple=True)
+        gate_up = w8a8_cpu.int8_scaled_mm_with_quant(x[tokens], w13_p[e], s13[e], out_dtype=torch.float32)
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        down = w8a8_cpu.int8_scaled_mm_with_quant(act, w2_p[e], s2[e])
+        out.index_add_(0, tokens, weights[tokens, slots, None] * down)
+    return out.to(x.dtype)
+
+
+def moe_candidates(m: int, experts: int, topk: int, gen: torch.Generator,
+                   h: int = MOE_H, inter: int = MOE_I) -> Dict[str, Callable[[], object]]:
+    w13 = torch.randn(experts, 2 * inter, h, generator=gen) * 0.02
+    w2 = torch.randn(experts, h, inter, generator=gen) * 0.02
+    moe = w8a8_cpu.nn.W8A8MoE.from_float(w13, w2, top_k=topk)
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    weights, ids = moe.route(torch.randn(m, experts, generator=gen))
+    w13_bf16, w2_bf16 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    # the same int8 experts, packed as one linear weight each
+    w13_p = [w8a8_cpu.pack_weight(w) for w in moe._quantize_experts(w13)[0]]
+    w2_p = [w8a8_cpu.pack_weight(w) for w in moe._quantize_experts(w2)[0]]
+    return {
+        MOE_OURS: lambda: w8a8_cpu.fused_experts(x, moe.w13_packed, moe.w2_packed, weights, ids,
+                                                 moe.w13_scale, moe.w2_scale),
+        MOE_LOOP: lambda: moe_linear_loop(x, w13_p, moe.w13_scale, w2_p, moe.w2_scale, weights, ids, inter),
+        MOE_BF16: lambda: moe_float_loop(x, w13_bf16, w2_bf16, weights.to(torch.bfloat16), ids),
+        MOE_FP32: lambda: moe_float_loop(x.float(), w13, w2, weights, ids),
+    }
+
+
+def bench_moe_case(m: int, experts: int, topk: int, reps: int, warmup: int, gen: torch.Generator) -> dict:
+    samples = interleaved(moe_candidates(m, experts, topk, gen), reps, warmup)
+    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    ours = ms[MOE_OURS]
+    return {"m": m, "experts": experts, "topk": topk, "H": MOE_H, "I": MOE_I, "ms": ms,
+            "speedup": {name: t / ours for name, t in ms.items() if name != MOE_OURS}}
+
+
+# --------------------------------------------------------------------------------------------------- overhead
+
+def bench_overhead(reps: int, warmup: int, inner: int = 2000) -> dict:
+    """Per-call time of a tiny linear (M=1, N=K=64) through the Python API: the fixed cost of a call."""
+    gen = torch.Generator().manual_seed(1)
+    linear = torch.nn.Linear(64, 64)
+    layer = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    x = torch.randn(1, 64, generator=gen)
+    w_packed, w_scale, bias = layer.weight_packed, layer.w_scale, layer.bias
+    fns = {"W8A8Linear(x)": lambda: layer(x),
+           "int8_scaled_mm_with_quant": lambda: w8a8_cpu.int8_scaled_mm_with_quant(x, w_packed, w_scale, bias),
+           "torch nn.Linear(x) fp32": lambda: linear(x)}
+    samples = interleaved(fns, reps, warmup, inner=inner)
+    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+
+
+# --------------------------------------------------------------------------------------------------- targets
+
+def _find(cases: List[dict], shape: str, m: int) -> Optional[dict]:
+    return next((c for c in cases if c["shape"] == shape and c["m"] == m), None)
+
+
+def evaluate_targets(result: dict) -> List[dict]:
+    """The issue's performance targets, each from this run's numbers; value None when the run lacks the case."""
+    cases, bw = result["linear"], result["read_bandwidth_gbs"]
+    targets: List[dict] = []
+
+    def add(name: str, value: Optional[float], goal: float, higher_is_better: bool, unit: str = "x") -> None:
+        ok = None if value is None else (value >= goal if higher_is_better else value <= goal)
+        targets.append({"name": name, "value": value, "goal": goal, "op": ">=" if higher_is_better else "<=",
+                        "unit": unit, "pass": ok})
+
+    def time_ratio(case: Optional[dict], baseline: str) -> Optional[float]:  # w8a8 time / baseline time
+        if case is None or baseline not in case["results"]:
+            return None
+        return case["results"][OURS]["ms"] / case["results"][baseline]["ms"]
+
+    c = _find(cases, "14336x4096", 1)
+    add("decode M=1 14336x4096: weight bandwidth / streaming-read bandwidth",
+        None if c is None or not bw else c["results"][OURS]["weight_gbs"] / bw, 0.90, True)
+    add("decode M=1 14336x4096: time / torch.ao", time_ratio(c, AO), 1.0, False)
+    add("decode M=1 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 1), AO), 1.0, False)
+    add("decode M=16 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 16), AO), 0.8, False)
+    c = _find(cases, "4096x4096", 512)
+    r = time_ratio(c, AO)
+    add("prefill M=512 4096x4096: throughput / torch.ao", None if r is None else 1.0 / r, 1.25, True)
+    r = time_ratio(c, FP32)
+    add("prefill M=512 4096x4096: throughput / torch fp32", None if r is None else 1.0 / r, 2.0, True)
+    ov = result.get("overhead_us")
+    add("per-call overhead M=1 N=K=64 (W8A8Linear, Python API)", None if not ov else ov["W8A8Linear(x)"], 15.0,
+        False, unit="us")
+    moe = result.get("moe") or []
+    for m in (1, 16, 128):
+        rows = [c for c in moe if c["m"] == m]
+        add(f"fused MoE M={m}: speedup vs torch bf16 loop (worst E/topk)",
+            min((c["speedup"][MOE_BF16] for c in rows), default=None), 3.0, True)
+        add(f"fused MoE M={m}: speedup vs loop of w8a8_cpu linear (worst E/topk)",
+            min((c["speedup"][MOE_LOOP] for c in rows), default=None), 1.5, True)
+    return targets
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+def print_linear(case: dict, bw: Optional[float]) -> None:
+    eff = f", decode efficiency {case['decode_efficiency'] * 100:.0f}% of read bw" if (
+        bw and case["phase"] == "decode") else ""
+    print(f"{case['phase']} M={case['m']:<4} N={case['n']} K={case['k']} ({case['role']}){eff}")
+    for cand, r in case["results"].items():
+        ratio = "" if cand == OURS else f"  w8a8_cpu speedup x{case['speedup'][cand]:.2f}"
+        print(f"  {cand:<14} {r['ms']:10.3f} ms {r['gops']:9.1f} GOPS {r['weight_gbs']:8.2f} GB/s weights{ratio}")
+
+
+def print_targets(targets: List[dict]) -> None:
+    print("targets (from this run; not asserted):")
+    for t in targets:
+        status = "n/a " if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
+        if t["value"] is None:
+            value = "not measured in this run"
+        elif t["unit"] == "us":
+            value = f"{t['value']:.2f} us (goal {t['op']} {t['goal']:g} us)"
+        else:
+            value = f"{t['value']:.2f}x (goal {t['op']} {t['goal']:g}x)"
+        print(f"  {status}  {t['name']:<66} {value}")
+
+
+def plot(result: dict, path: str) -> None:
+    """Speedup bars (baseline time / w8a8_cpu time) per linear case and baseline, and per MoE case."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)")
+    cases, moe = result["linear"], result.get("moe") or []
+    panels = [p for p in (cases, moe) if p]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.55 * max(len(cases), len(moe), 1) + 3),
+                                                      4.5 * len(panels)), squeeze=False)
+    for ax, rows in zip(axes[:, 0], panels):
+        is_moe = rows is moe
+        names = [MOE_LOOP, MOE_BF16, MOE_FP32] if is_moe else [b for b in BASELINES
+                                                               if any(b in c["speedup"] for c in rows)]
+        labels = ([f"M={c['m']} E={c['experts']} k={c['topk']}" for c in rows] if is_moe else
+                  [f"{c['shape']}\nM={c['m']}" for c in rows])
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(rows))]
+            ax.bar(xs, [c["speedup"].get(name, 0.0) for c in rows], width, label=f"vs {name}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("w8a8_cpu speedup (x, log)")
+        ax.set_title(("fused MoE " if is_moe else "W8A8 linear ") + f"({result['info']['selected_variant']}, "
+                     f"{result['threads']} threads; > 1: w8a8_cpu faster)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------- driver
+
+def _parse_shapes(spec: Optional[Sequence[str]]) -> List[str]:
+    if not spec:
+        return list(SHAPES)
+    names = []
+    by_role = {"o_proj": "4096x4096", "gate_proj": "14336x4096", "up_proj": "14336x4096",
+               "down_proj": "4096x14336", "qkv_proj": "6144x4096"}
+    for item in ",".join(spec).split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        if item in SHAPES:
+            names.append(item)
+        elif item in by_role:
+            names.append(by_role[item])
+        else:
+            raise ValueError(f"unknown shape {item!r}: choose from {', '.join(SHAPES)} "
+                             f"(or {', '.join(sorted(by_role))})")
+    return list(dict.fromkeys(names))
+
+
+def _parse_ms(spec: Optional[Sequence[str]]) -> Optional[List[int]]:
+    if not spec:
+        return None
+    ms = [int(v) for v in ",".join(spec).split(",") if v.strip()]
+    if any(m <= 0 for m in ms):
+        raise ValueError("--m values must be positive")
+    return ms
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="CI smoke: 4096x4096 at M=1,16, MoE E=8 at M=1,16, 3 repetitions (numbers are rough)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--shapes", nargs="+", metavar="NxK",
+                        help=f"linear shapes to run, comma- or space-separated: {', '.join(SHAPES)} or a role "
+                        "(o_proj, gate_proj, up_proj, down_proj, qkv_proj); default all")
+    parser.add_argument("--m", nargs="+", metavar="M",
+                        help=f"token counts to run (linear: any; MoE: of 1, 16, 128); default "
+                        f"{', '.join(map(str, ALL_M))}")
+    parser.add_argument("--reps", type=int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2)")
+    parser.add_argument("--no-moe", action="store_true", help="skip the fused MoE cases")
+    parser.add_argument("--no-linear", action="store_true", help="skip the linear cases")
+    parser.add_argument("--json", metavar="FILE", help="write every number of the run as JSON to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", help="speedup bar chart (needs matplotlib: the bench extra)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        shapes = QUICK_SHAPES if args.quick and not args.shapes else _parse_shapes(args.shapes)
+        m_filter = _parse_ms(args.m)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    if args.plot:  # fail before the long run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("bench: --plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)",
+                  file=sys.stderr)
+            return 2
+    reps = args.reps if args.reps is not None else (3 if args.quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if reps <= 0 or warmup < 0:
+        print("bench: --reps must be positive and --warmup non-negative", file=sys.stderr)
+        return 2
+    ms = m_filter or list(QUICK_M if args.quick else ALL_M)
+    moe_cases = [] if args.no_moe else [c for c in (QUICK_MOE if args.quick else MOE_CASES)
+                                        if m_filter is None or c[0] in m_filter]
+    linear_cases = [] if args.no_linear else [(s, m) for s in shapes for m in ms]
+
+    info = w8a8_cpu.info()
+    threads = torch.get_num_threads()
+    engine = _ao_engine()
+    torch.backends.quantized.engine = engine
+    print(f"w8a8-cpu {w8a8_cpu.__version__} bench: variant {info['selected_variant']} ({info['arch']}), "
+          f"torch {torch.__version__}, {threads} threads, torch.ao engine {engine}")
+    print(f"  median of {reps} interleaved repetitions after {warmup} warm-up call(s) per candidate; "
+          f"speedup = baseline time / w8a8_cpu time")
+    progress = Progress(len(linear_cases) + len(moe_cases) + 3, enabled=not args.no_progress)
+    bw_mib = 64 if args.quick else 256
+    bw_samples = [read_bandwidth(bw_mib, 3 if args.quick else 5)]
+    progress.step("read bandwidth")
+    gen = torch.Generator().manual_seed(0)
+    errors: Dict[str, str] = {}
+    result = {"version": w8a8_cpu.__version__, "info": info, "threads": threads, "torch_ao_engine": engine,
+              "reps": reps, "warmup": warmup, "quick": bool(args.quick), "linear": [], "moe": [],
+              "read_bandwidth_method": f"best of torch.sum over a {bw_mib} MiB float32 tensor"}
+    linear_out: List[tuple] = []
+    for shape in dict.fromkeys(s for s, _ in linear_cases):
+        n, k = SHAPES[shape]
+        make, weight_bytes = linear_candidates(n, k, gen, errors)
+        for m in ms:
+            progress.step(f"linear {shape} M={m}")
+            linear_out.append((shape, n, k, m, interleaved(make(m), reps, warmup), weight_bytes))
+        del make
+    if linear_cases:
+        bw_samples.append(read_bandwidth(bw_mib, 3 if args.quick else 5))
+    progress.step("overhead (M=1 N=K=64)")
+    result["overhead_us"] = bench_overhead(reps, warmup, inner=200 if args.quick else 2000)
+    for m, e, k in moe_cases:
+        progress.step(f"MoE M={m} E={e} topk={k}")
+        result["moe"].append(bench_moe_case(m, e, k, reps, warmup, gen))
+    progress.step("done")
+    progress.clear()
+
+    bw = max(bw_samples)
+    result["read_bandwidth_gbs"] = bw
+    result["read_bandwidth_samples_gbs"] = bw_samples
+    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw) for s, n, k, m, smp, wb in linear_out]
+    result["unavailable"] = errors
+    print(f"streaming-read reference: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "
+          f"{', '.join(f'{b:.2f}' for b in bw_samples)})")
+    for cand, err in errors.items():
+        print(f"  ({cand} unavailable: {err})")
+    for case in result["linear"]:
+        print_linear(case, bw)
+    ov = result["overhead_us"]
+    print("per-call overhead, M=1 N=K=64 (median per call): " + " | ".join(f"{k} {v:.2f} us" for k, v in ov.items()))
+    for c in result["moe"]:
+        ours = c["ms"][MOE_OURS]
+        print(f"MoE M={c['m']:<4} E={c['experts']:<3} topk={c['topk']} H={MOE_H} I={MOE_I} bf16: " + " | ".join(
+            f"{name} {t:.2f} ms" + ("" if name == MOE_OURS else f" (x{t / ours:.2f})") for name, t in c["ms"].items()))
+    result["targets"] = evaluate_targets(result)
+    print_targets(result["targets"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+DESCRIPTION = ("Benchmark the W8A8 linear (Llama-3-8B-like shapes, decode M=1/4/16 and prefill M=128/512) against "
+               "torch fp32, torch bf16, torch.ao dynamic int8 and torch._weight_int8pack_mm, the per-call overhead, "
+               "and the fused MoE against torch loops; all in one run, interleaved, median of >= 10. Prints time, "
+               "GOPS, effective weight bandwidth, speedups, a streaming-read bandwidth reference and PASS/FAIL lines "
+               "for the performance targets (never asserted).")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m w8a8_cpu bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -67,6 +67,15 @@ at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, co
   return s.contiguous();
 }
 
+// Driver scratch of the calling thread, grown on demand and kept between calls: a fresh multi-MB buffer
+// per call would page-fault its way through every page again (the MoE needs O(M * topk * (H + I)) bytes).
+// Ops never nest, so one buffer per calling thread is enough.
+void* thread_scratch(int64_t nbytes) {
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < nbytes) buffer = at::empty({std::max<int64_t>(nbytes, 1)}, at::kByte);
+  return buffer.data_ptr();
+}
+
 bool is_packed(const at::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
 
 at::Tensor pack_weight_op(const at::Tensor& w) {
@@ -124,10 +133,10 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at:
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
   if (m == 0) return out;
-  auto scratch = at::empty({gemm_scratch_nbytes(kernel, m, wv.header->k_padded)}, x_q.options().dtype(at::kByte));
   as_value_errors([&] {
     gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
-         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
+         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n,
+         thread_scratch(gemm_scratch_nbytes(kernel, m, wv.header->k_padded)),
          kTorchParallelFor);
     return 0;
   });
@@ -277,9 +286,8 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
   MoeProblem p{m, h, inter2 / 2, experts, topk, x.data_ptr(), float_kind(x.scalar_type(), "hidden"), x.stride(0),
                weights.data_ptr<float>(), ids.data_ptr<int64_t>(), v13.data(), s13.data_ptr<float>(), v2.data(),
                s2.data_ptr<float>(), out.data_ptr(), kind};
-  auto scratch = at::empty({moe_scratch_nbytes(kernel, p)}, hidden.options().dtype(at::kByte));
   as_value_errors([&] {
-    fused_experts(kernel, p, scratch.data_ptr(), kTorchParallelFor);
+    fused_experts(kernel, p, thread_scratch(moe_scratch_nbytes(kernel, p)), kTorchParallelFor);
     return 0;
   });
   return out;

@@ -60,7 +60,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
 void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const uint8_t*>(a);
-  with_row_count<8>(m, [&](auto rows) {
+  with_row_count<kMr>(m, [&](auto rows) {
     tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, col_sums, k_padded, c);
   });
 }

@@ -124,3 +124,17 @@ def test_cli_help_and_bad_args():
     r = subprocess.run([*python_command(), "-m", "w8a8_cpu", "--shape", "0", "1", "1"], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "must be positive" in r.stderr
+
+
+def test_quantized_model_survives_dtype_cast():
+    # model.to(bfloat16) after quantize_model is the usual serving sequence: the scales must stay fp32.
+    torch.manual_seed(0)
+    model = w8a8_cpu.nn.quantize_model(torch.nn.Sequential(torch.nn.Linear(16, 8)))
+    x = torch.randn(2, 16)
+    expected = model(x.bfloat16())
+    model.to(torch.bfloat16)
+    assert model[0].w_scale.dtype == torch.float32 and model[0].bias.dtype == torch.bfloat16
+    torch.testing.assert_close(model(x.bfloat16()), expected, rtol=1e-2, atol=1e-2)
+    moe = w8a8_cpu.nn.W8A8MoE.from_float(torch.randn(4, 32, 16) * 0.1, torch.randn(4, 16, 16) * 0.1, top_k=2).half()
+    assert moe.w13_scale.dtype == moe.w2_scale.dtype == torch.float32
+    assert moe(torch.randn(3, 16).half(), torch.randn(3, 4)).dtype == torch.float16

@@ -67,13 +67,17 @@ at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, co
   return s.contiguous();
 }
 
-// Driver scratch of the calling thread, grown on demand and kept between calls: a fresh multi-MB buffer
-// per call would page-fault its way through every page again (the MoE needs O(M * topk * (H + I)) bytes).
-// Ops never nest, so one buffer per calling thread is enough.
-void* thread_scratch(int64_t nbytes) {
-  thread_local at::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < nbytes) buffer = at::empty({std::max<int64_t>(nbytes, 1)}, at::kByte);
-  return buffer.data_ptr();
+// Driver scratch: up to kRetainedScratchBytes, a buffer of the calling thread grown on demand and kept between
+// calls (a fresh multi-MB buffer per call would page-fault through every page again; ops never nest, so one
+// per thread is enough); larger requests (big MoE prefills) get a buffer of their own, freed after the call.
+constexpr int64_t kRetainedScratchBytes = int64_t{256} << 20;
+
+at::Tensor scratch_buffer(int64_t nbytes) {
+  if (nbytes > kRetainedScratchBytes) return at::empty({nbytes}, at::kByte);
+  thread_local at::Tensor retained;
+  if (!retained.defined() || retained.numel() < nbytes)
+    retained = at::empty({std::max<int64_t>(nbytes, 1)}, at::kByte);
+  return retained;
 }
 
 bool is_packed(const at::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
@@ -133,10 +137,10 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at:
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
   if (m == 0) return out;
+  const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, wv.header->k_padded));
   as_value_errors([&] {
     gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
-         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n,
-         thread_scratch(gemm_scratch_nbytes(kernel, m, wv.header->k_padded)),
+         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
          kTorchParallelFor);
     return 0;
   });
@@ -225,6 +229,10 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
     TORCH_CHECK_VALUE(views.back().header->n == n && views.back().header->k == k, arg, ": expert ", e,
                       " was packed with shape [", views.back().header->n, ", ", views.back().header->k,
                       "], expected [", n, ", ", k, "]");
+    // The driver packs A once for all experts, so every expert must share one panel layout.
+    TORCH_CHECK_VALUE(views.back().layout.nr == views[0].layout.nr && views.back().layout.kr == views[0].layout.kr,
+                      arg, ": expert ", e, " was packed by '", views.back().header->packed_by,
+                      "', expert 0 by '", views[0].header->packed_by, "'; pack all experts with one variant");
   }
   return views;
 }
@@ -287,7 +295,7 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
                weights.data_ptr<float>(), ids.data_ptr<int64_t>(), v13.data(), s13.data_ptr<float>(), v2.data(),
                s2.data_ptr<float>(), out.data_ptr(), kind};
   as_value_errors([&] {
-    fused_experts(kernel, p, thread_scratch(moe_scratch_nbytes(kernel, p)), kTorchParallelFor);
+    fused_experts(kernel, p, scratch_buffer(moe_scratch_nbytes(kernel, p)).data_ptr(), kTorchParallelFor);
     return 0;
   });
   return out;

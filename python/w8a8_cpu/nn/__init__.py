@@ -11,11 +11,29 @@ from .. import fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
 
-class W8A8Linear(torch.nn.Module):
+class _Fp32Scales(torch.nn.Module):
+    """Keeps the quantization scales fp32 through model.half() / .to(torch.bfloat16): the ops take fp32 scales,
+    and rounding a scale to 16 bits would silently shift every output of its channel. Device moves still apply."""
+
+    _fp32_buffers: tuple = ()
+
+    def _apply(self, fn, *args, **kwargs):
+        before = {name: getattr(self, name) for name in self._fp32_buffers}
+        super()._apply(fn, *args, **kwargs)
+        for name, scale in before.items():
+            after = getattr(self, name)
+            if after.dtype != torch.float32:
+                setattr(self, name, scale.to(device=after.device))
+        return self
+
+
+class W8A8Linear(_Fp32Scales):
     """Linear layer with int8 weights (one fp32 scale per output channel) and per-token int8 activations.
 
     The weight is quantized and packed once (for the variant active at construction); forward runs the
     fused quantize + int8 matmul and returns the input's dtype."""
+
+    _fp32_buffers = ("w_scale",)
 
     def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
@@ -40,11 +58,13 @@ class W8A8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class W8A8MoE(torch.nn.Module):
+class W8A8MoE(_Fp32Scales):
     """Mixture of SiLU-gated experts with W8A8 weights: router logits -> softmax -> top-k -> fused_experts.
 
     w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I] the down projection. Weights are
     quantized per output channel and packed once; forward(hidden [M, H], router_logits [M, E]) -> [M, H]."""
+
+    _fp32_buffers = ("w13_scale", "w2_scale")
 
     def __init__(self, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
                  top_k: int, renormalize: bool = True):

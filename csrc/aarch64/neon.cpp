@@ -78,10 +78,6 @@ inline float32x4_t load4(const void* x, FloatKind kind, int64_t i) {
   return vld1q_f32(static_cast<const float*>(x) + i);
 }
 
-const void* offset(const void* x, FloatKind kind, int64_t i) {
-  return static_cast<const char*>(x) + i * (kind == FloatKind::f32 ? 4 : 2);
-}
-
 }  // namespace
 
 void neon_pack_a_row_int8(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
@@ -98,7 +94,7 @@ uint32_t neon_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
   int64_t i = 0;
   for (; i + 4 <= k; i += 4) m = vmaxq_u32(m, vandq_u32(vreinterpretq_u32_f32(load4(x, kind, i)), abs_mask));
   const uint32_t head = vmaxvq_u32(m);
-  const uint32_t tail = ref_row_absmax_bits(offset(x, kind, i), kind, k - i);
+  const uint32_t tail = ref_row_absmax_bits(element_at(x, kind, i), kind, k - i);
   return head > tail ? head : tail;
 }
 
@@ -118,7 +114,7 @@ void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale
     const int16x8_t h1 = vcombine_s16(vmovn_s32(quant4(i + 8)), vmovn_s32(quant4(i + 12)));
     vst1q_s8(q + i, vcombine_s8(vmovn_s16(h0), vmovn_s16(h1)));
   }
-  ref_quantize_row(offset(x, kind, i), kind, k - i, inv_scale, q + i);
+  ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
 extern const MicroKernel kNeonKernel;  // external linkage: the registry refers to it

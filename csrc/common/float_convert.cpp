@@ -61,14 +61,6 @@ float load_as_float(const void* x, FloatKind kind, int64_t i) {
   return 0.f;
 }
 
-void store_from_float(void* y, FloatKind kind, int64_t i, float v) {
-  switch (kind) {
-    case FloatKind::f32: static_cast<float*>(y)[i] = v; break;
-    case FloatKind::bf16: static_cast<uint16_t*>(y)[i] = float_to_bf16_bits(v); break;
-    case FloatKind::f16: static_cast<uint16_t*>(y)[i] = float_to_f16_bits(v); break;
-  }
-}
-
 void store_row_from_float(void* y, FloatKind kind, const float* v, int64_t n) {
   switch (kind) {
     case FloatKind::f32: std::memcpy(y, v, static_cast<size_t>(n) * 4); break;

@@ -14,9 +14,6 @@ constexpr int kMaxTileElems = 64 * 16;  // mr * nr bound for the int32 tile on t
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-int64_t a_row_stride(const MicroKernel& kernel, int64_t k_padded) {
-  return round_up(k_padded * static_cast<int64_t>(kernel.a_elem_bytes), kAlign);
-}
 
 }  // namespace
 
@@ -94,11 +91,10 @@ PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const c
 
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for) {
-  const int64_t elem_bytes = kind == FloatKind::f32 ? 4 : 2;
   std::atomic<int64_t> first_bad{m};
   parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const void* row = static_cast<const char*>(x) + r * ldx * elem_bytes;
+      const void* row = element_at(x, kind, r * ldx);
       const uint32_t amax_bits = kernel.row_absmax_bits(row, kind, k);
       if (amax_bits >= 0x7f800000u) {
         int64_t seen = first_bad.load();
@@ -118,7 +114,7 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
 }
 
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
-  return m * a_row_stride(kernel, k_padded);
+  return m * packed_a_stride(kernel, k_padded);
 }
 
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
@@ -132,11 +128,13 @@ void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, co
     throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
 }
 
-int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded) { return a_row_stride(kernel, k_padded); }
+int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded) {
+  return round_up(k_padded * static_cast<int64_t>(kernel.a_elem_bytes), kAlign);
+}
 
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for) {
-  const int64_t stride = a_row_stride(kernel, k_padded);
+  const int64_t stride = packed_a_stride(kernel, k_padded);
   parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(k_padded, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) kernel.pack_a_row(a + r * lda, k, k_padded, dst + r * stride);
   });
@@ -150,7 +148,6 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   const int8_t* panel_data = w.panels + panel * k_padded * nr;
   const int32_t* sums = w.col_sums + panel * nr;
   const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header->n - n0);
-  const int64_t out_elem = out_kind == FloatKind::f32 ? 4 : 2;
   int32_t c[kMaxTileElems];
   float v[kMaxTileElems];
   const float* ws = w_scales + n0;
@@ -164,7 +161,7 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
       for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<float>(ci[j]) * (a_scale * ws[j]);
       if (bias)
         for (int64_t j = 0; j < cols; ++j) v[j] += bias[n0 + j];
-      store_row_from_float(static_cast<char*>(out) + ((r + i) * ldo + n0) * out_elem, out_kind, v, cols);
+      store_row_from_float(static_cast<char*>(out) + ((r + i) * ldo + n0) * element_bytes(out_kind), out_kind, v, cols);
     }
   }
 }
@@ -179,7 +176,7 @@ void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, co
   // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
   auto* a_packed = static_cast<uint8_t*>(scratch);
   pack_a_rows(kernel, a, m, lda, h.k, h.k_padded, a_packed, parallel_for);
-  const int64_t a_stride = a_row_stride(kernel, h.k_padded);
+  const int64_t a_stride = packed_a_stride(kernel, h.k_padded);
 
   // Tasks are (panel, block of rows), panel-major: a thread's contiguous share of tasks is a contiguous
   // slice of the weight, streamed once (decode), reused from cache across its row blocks (prefill).

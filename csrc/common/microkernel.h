@@ -51,6 +51,13 @@ struct MicroKernel {
   void (*quantize_row)(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 };
 
+// Bytes per element of `kind`, and the address of element i. `static`: every TU, ISA-flagged ones included, gets
+// its own copy, so no TU's ISA can leak into another through a shared inline definition.
+static inline int64_t element_bytes(FloatKind kind) { return kind == FloatKind::f32 ? 4 : 2; }
+static inline const void* element_at(const void* x, FloatKind kind, int64_t i) {
+  return static_cast<const char*>(x) + i * element_bytes(kind);
+}
+
 // Calls f(std::integral_constant<int, M>{}) with M = min(m, MaxM), m >= 1: lets each variant write its tile
 // once as a template over a compile-time row count (register blocking) and pick it from the driver's m.
 template <int MaxM, typename F>
@@ -63,7 +70,6 @@ inline void with_row_count(int m, F&& f) {
 
 // Scalar helpers shared by the reference kernels and the driver (baseline ISA).
 float load_as_float(const void* x, FloatKind kind, int64_t i);
-void store_from_float(void* y, FloatKind kind, int64_t i, float v);
 // y[i] = v[i] for i < n in `kind`: one dispatch per row, loops the compiler vectorizes.
 void store_row_from_float(void* y, FloatKind kind, const float* v, int64_t n);
 uint16_t float_to_bf16_bits(float v);  // round to nearest even, NaN stays NaN

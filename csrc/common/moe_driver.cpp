@@ -187,7 +187,8 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
           const float* row = down + position[t * p.topk + k] * p.hidden + h0;
           for (int64_t h = 0; h < len; ++h) acc[h] += weight * row[h];
         }
-        for (int64_t h = 0; h < len; ++h) store_from_float(p.out, p.out_kind, t * p.hidden + h0 + h, acc[h]);
+        store_row_from_float(static_cast<char*>(p.out) + (t * p.hidden + h0) * element_bytes(p.out_kind), p.out_kind,
+                             acc, len);
       }
   });
 }

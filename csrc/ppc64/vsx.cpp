@@ -95,10 +95,6 @@ inline void load8(const void* x, FloatKind kind, int64_t i, vf32& lo, vf32& hi) 
   hi = vec_xl(16, f);
 }
 
-const void* offset(const void* x, FloatKind kind, int64_t i) {
-  return static_cast<const char*>(x) + i * (kind == FloatKind::f32 ? 4 : 2);
-}
-
 }  // namespace
 
 void vsx_pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
@@ -127,7 +123,7 @@ uint32_t vsx_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
   }
   uint32_t head = 0;
   for (int l = 0; l < 4; ++l) head = head > m[l] ? head : m[l];
-  const uint32_t tail = ref_row_absmax_bits(offset(x, kind, i), kind, k - i);
+  const uint32_t tail = ref_row_absmax_bits(element_at(x, kind, i), kind, k - i);
   return head > tail ? head : tail;
 }
 
@@ -147,7 +143,7 @@ void vsx_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale,
     const __vector signed short h0 = vec_pack(quant4(v0), quant4(v1)), h1 = vec_pack(quant4(v2), quant4(v3));
     vec_xst(vec_pack(h0, h1), 0, q + i);
   }
-  ref_quantize_row(offset(x, kind, i), kind, k - i, inv_scale, q + i);
+  ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
 extern const MicroKernel kVsxKernel;  // external linkage: the registry refers to it

@@ -81,10 +81,6 @@ inline __m256 load8(const void* x, FloatKind kind, int64_t i) {
   return _mm256_loadu_ps(static_cast<const float*>(x) + i);
 }
 
-const void* offset(const void* x, FloatKind kind, int64_t i) {
-  return static_cast<const char*>(x) + i * (kind == FloatKind::f32 ? 4 : 2);
-}
-
 }  // namespace
 
 uint32_t avx2_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
@@ -99,7 +95,7 @@ uint32_t avx2_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
   m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
   m4 = _mm_max_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
   const uint32_t head = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
-  const uint32_t tail = ref_row_absmax_bits(offset(x, kind, i), kind, k - i);
+  const uint32_t tail = ref_row_absmax_bits(element_at(x, kind, i), kind, k - i);
   return head > tail ? head : tail;
 }
 
@@ -119,7 +115,7 @@ void avx2_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
   }
-  ref_quantize_row(offset(x, kind, i), kind, k - i, inv_scale, q + i);
+  ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
 extern const MicroKernel kAvx2Kernel;  // external linkage: the registry refers to it

@@ -8,23 +8,13 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from typing import Callable, Dict, List
 
 import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
-
-
-def _progress(label: str, done: int, total: int) -> None:
-    if not sys.stderr.isatty() and done not in (0, total):
-        return
-    width = 24
-    filled = width * done // max(total, 1)
-    end = "\n" if done == total else ""
-    sys.stderr.write(f"\r  {label:<34} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
-    sys.stderr.flush()
+from w8a8_cpu.bench import ao_dynamic, progress_line
 
 
 def print_report(report: dict) -> None:
@@ -62,7 +52,7 @@ def self_check(variants: List[str]) -> bool:
                 want = reference.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias, dtype)
                 worst = max(worst, (got.float() - want.float()).abs().max().item())
                 done += 1
-                _progress(f"{variant}", done, total)
+                progress_line(f"{variant}", done, total)
         status = "ok" if worst == 0.0 else "MISMATCH"
         ok &= worst == 0.0
         print(f"  {variant:<12} {status}: {len(SELF_CHECK_SHAPES)} shapes x 3 dtypes, max |diff| = {worst:g}")
@@ -87,11 +77,7 @@ def benchmark(m: int, n: int, k: int, iters: int) -> Dict[str, float]:
     candidates: Dict[str, Callable[[], object]] = {"w8a8_cpu W8A8Linear": lambda: w8a8(x),
                                                    "torch fp32 linear": lambda: linear(x)}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic
-
-            dyn = quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+        dyn = ao_dynamic(torch.nn.Sequential(linear))
         candidates["torch.ao dynamic int8 Linear"] = lambda: dyn(x)
     except Exception as e:  # not every torch build ships a quantized engine
         print(f"  (torch.ao dynamic quantization unavailable: {e})")
@@ -103,7 +89,7 @@ def benchmark(m: int, n: int, k: int, iters: int) -> Dict[str, float]:
         for r in range(rounds):  # interleaved rounds, so drift and noise hit every candidate alike
             for name, fn in candidates.items():
                 times[name].append(_median_ms(fn, iters))
-            _progress(f"benchmark M={m} N={n} K={k}", r + 1, rounds)
+            progress_line(f"benchmark M={m} N={n} K={k}", r + 1, rounds)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

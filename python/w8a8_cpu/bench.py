@@ -60,6 +60,18 @@ QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
 
 # --------------------------------------------------------------------------------------------------- timing
 
+def progress_line(label: str, done: int, total: int) -> None:
+    """One-line progress bar on stderr for the check and demo commands (redrawn on a terminal; only the finished
+    bar otherwise)."""
+    if not sys.stderr.isatty() and done != total:
+        return
+    width = 24
+    filled = width * done // max(total, 1)
+    end = "\n" if done == total else ""
+    sys.stderr.write(f"\r  {label:<40} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
+    sys.stderr.flush()
+
+
 class Progress:
     """A one-line progress bar on stderr (a final line only when stderr is not a terminal)."""
 
@@ -121,12 +133,14 @@ def read_bandwidth(mib: int = 256, tries: int = 5) -> float:
 
 # --------------------------------------------------------------------------------------------------- linear
 
-def _ao_dynamic(linear: torch.nn.Linear):
+def ao_dynamic(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.ao dynamic int8 quantization of every nn.Linear in `model` (the baseline; its deprecation warnings
+    silenced). Raises if this torch build has no quantized engine."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torch.ao.quantization import quantize_dynamic
 
-        return quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def _ao_engine() -> str:
@@ -149,7 +163,7 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
     weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n}
     dyn = None
     try:
-        dyn = _ao_dynamic(linear)
+        dyn = ao_dynamic(torch.nn.Sequential(linear))
     except Exception as e:  # not every torch build ships a quantized engine
         errors[AO] = f"{type(e).__name__}: {e}"
     wo_w = wo_s = None

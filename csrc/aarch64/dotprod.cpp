@@ -83,7 +83,7 @@ const MicroKernel kDotprodKernel = {
     /*reads_any_layout=*/false,
     /*mr=*/kMr,
     /*a_elem_bytes=*/1,
-    neon_pack_a_row_int8,
+    ref_pack_a_row,
     dotprod_tile,
     neon_row_absmax_bits,
     neon_quantize_row,

@@ -87,7 +87,7 @@ const MicroKernel kI8mmKernel = {
     /*reads_any_layout=*/false,
     /*mr=*/kMr,
     /*a_elem_bytes=*/1,
-    neon_pack_a_row_int8,
+    ref_pack_a_row,
     i8mm_tile,
     neon_row_absmax_bits,
     neon_quantize_row,

@@ -80,12 +80,6 @@ inline float32x4_t load4(const void* x, FloatKind kind, int64_t i) {
 
 }  // namespace
 
-void neon_pack_a_row_int8(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
-  auto* out = static_cast<int8_t*>(dst);
-  std::memcpy(out, a, static_cast<size_t>(k));
-  std::memset(out + k, 0, static_cast<size_t>(k_padded - k));
-}
-
 uint32_t neon_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
   // Unsigned max of |x| bit patterns, like the reference: monotone for non-negative floats, and Inf/NaN
   // patterns lie above every finite one, so one pass also detects them.
@@ -125,7 +119,7 @@ const MicroKernel kNeonKernel = {
     /*reads_any_layout=*/false,
     /*mr=*/kMr,
     /*a_elem_bytes=*/1,
-    neon_pack_a_row_int8,
+    ref_pack_a_row,
     neon_tile,
     neon_row_absmax_bits,
     neon_quantize_row,

@@ -4,10 +4,9 @@
 #pragma once
 
 #include "../common/microkernel.h"
+#include "../common/ref_kernel.h"  // ref_pack_a_row: the aarch64 variants read A as plain int8
 
 namespace w8a8_cpu {
-// Packed A row for the aarch64 variants: the int8 values themselves, zero-padded to k_padded.
-void neon_pack_a_row_int8(const int8_t* a, int64_t k, int64_t k_padded, void* dst);
 uint32_t neon_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
 void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 }  // namespace w8a8_cpu

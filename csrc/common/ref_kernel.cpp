@@ -7,15 +7,11 @@
 #include "ref_kernel.h"
 
 namespace w8a8_cpu {
-namespace {
-
 void ref_pack_a_row(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
   auto* out = static_cast<int8_t*>(dst);
   std::memcpy(out, a, static_cast<size_t>(k));
   std::memset(out + k, 0, static_cast<size_t>(k_padded - k));
 }
-
-}  // namespace
 
 void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout layout,
               int64_t k_padded, int32_t* c) {

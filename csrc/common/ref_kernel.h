@@ -11,6 +11,8 @@ constexpr int kRefNr = 16;
 
 extern const MicroKernel kRefKernel;
 
+// Packed A row as plain int8, zero-padded to k_padded (also the aarch64 variants' A format).
+void ref_pack_a_row(const int8_t* a, int64_t k, int64_t k_padded, void* dst);
 void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums,
               PanelLayout layout, int64_t k_padded, int32_t* c);
 uint32_t ref_row_absmax_bits(const void* x, FloatKind kind, int64_t k);

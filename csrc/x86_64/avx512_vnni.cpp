@@ -18,6 +18,14 @@ namespace {
 constexpr int kNr = 16;  // one zmm = 16 channels x 4 k
 constexpr int kMr = 8;
 
+// acc += a (u8) . b (s8), four products per int32 lane. Inline asm instead of _mm512_dpbusd_epi32: GCC 12
+// copies every accumulator through a spare register around that builtin's tied operand (two extra zmm moves
+// per vpdpbusd in the tile loop), which cost ~8% of prefill throughput.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 void pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
   auto* out = static_cast<uint8_t*>(dst);
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -42,7 +50,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
     for (int i = 0; i < M; ++i) {
       int32_t a4;
       std::memcpy(&a4, a + i * stride + k, 4);
-      acc[i][u] = _mm512_dpbusd_epi32(acc[i][u], _mm512_set1_epi32(a4), b);
+      acc[i][u] = dpbusd(acc[i][u], _mm512_set1_epi32(a4), b);
     }
   };
   int64_t k = 0;

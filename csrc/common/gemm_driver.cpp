@@ -160,11 +160,14 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
     for (int i = 0; i < rows; ++i) {
       const float a_scale = a_scales[r + i];
       const int32_t* ci = c + i * nr;
+      void* dst = static_cast<char*>(out) + ((r + i) * ldo + n0) * element_bytes(out_kind);
+      // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
+      float* vi = out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
       // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
-      for (int64_t j = 0; j < cols; ++j) v[j] = static_cast<float>(ci[j]) * (a_scale * ws[j]);
+      for (int64_t j = 0; j < cols; ++j) vi[j] = static_cast<float>(ci[j]) * (a_scale * ws[j]);
       if (bias)
-        for (int64_t j = 0; j < cols; ++j) v[j] += bias[n0 + j];
-      store_row_from_float(static_cast<char*>(out) + ((r + i) * ldo + n0) * element_bytes(out_kind), out_kind, v, cols);
+        for (int64_t j = 0; j < cols; ++j) vi[j] += bias[n0 + j];
+      if (vi == v) store_row_from_float(dst, out_kind, v, cols);
     }
   }
 }

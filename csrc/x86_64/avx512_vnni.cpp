@@ -17,10 +17,9 @@ namespace {
 
 constexpr int kNr = 16;  // one zmm = 16 channels x 4 k
 constexpr int kMr = 8;
-// Software prefetch into L2, 8 KiB ahead in the weight panel, for tiles of 3+ rows: they consume a cache line every
-// M cycles, slowly enough that the hardware prefetcher stays too close when weights come from DRAM (MoE experts
-// +13-26%, 4096x4096 at M = 16 up to +35%; 2/4/16 KiB and L1/L3 hints measured no better). GEMV rows (M <= 2)
-// stream fast enough for the hardware prefetcher alone and lost ~8% with it.
+// Software prefetch into L2, 8 KiB ahead in the weight panel: when weights come from DRAM the hardware prefetcher
+// alone stays too close (measured: decode M = 1 14336x4096 +9-16%, MoE experts +13-26%, 4096x4096 at M = 16 up
+// to +35%; 1-4 KiB ahead into L1 lost ~8% at M = 1, 16 KiB and L3 hints measured no better).
 constexpr int kPrefetchBytes = 8192;
 
 // acc += a (u8) . b (s8), four products per int32 lane. Inline asm instead of _mm512_dpbusd_epi32: GCC 12
@@ -60,9 +59,8 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
   };
   int64_t k = 0;
   for (; k + 4 * U <= k_padded; k += 4 * U) {
-    if constexpr (M > 2)
-      for (int line = 0; line < 4 * U * kNr; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + k * kNr + kPrefetchBytes + line), _MM_HINT_T1);
+    for (int line = 0; line < 4 * U * kNr; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kNr + kPrefetchBytes + line), _MM_HINT_T1);
     for (int u = 0; u < U; ++u) step(k + 4 * u, u);
   }
   for (; k < k_padded; k += 4) step(k, 0);

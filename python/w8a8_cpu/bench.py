@@ -13,8 +13,9 @@ Linear candidates (fp32 activations unless noted; weights made once per shape):
   torch int8 wo   torch._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N]): weight-only int8
 Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
 and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The streaming-read reference is
-torch.sum over a 256 MiB float32 tensor (best of a few, measured before and after the cases), so
-decode efficiency = w8a8_cpu weight bytes per second / that bandwidth.
+torch.sum over a 256 MiB float32 tensor: best of a few before and after the cases (printed), and in every decode
+case one more candidate of the interleaved rounds, so decode efficiency = w8a8_cpu weight bytes per second / the
+read bandwidth of the same rounds (both medians), which the load of other jobs on the memory bus hits alike.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ ALL_M = DECODE_M + PREFILL_M
 OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
 BASELINES = (FP32, BF16, AO, WO)
+READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
 
 # MoE (Qwen/DeepSeek-like small experts): hidden H, intermediate I, cases (M, E, topk).
 MOE_H, MOE_I = 2048, 768
@@ -118,11 +120,10 @@ def interleaved(candidates: Dict[str, Callable[[], object]], reps: int, warmup: 
     return samples
 
 
-def read_bandwidth(mib: int = 256, tries: int = 5) -> float:
-    """Streaming-read reference in GB/s: best of `tries` torch.sum over a `mib` MiB float32 tensor (one pass,
-    no writes, far larger than the caches: bandwidth-bound on a few threads)."""
-    a = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
-    a.sum()  # fault the pages in and warm up
+def read_bandwidth(a: torch.Tensor, tries: int = 5) -> float:
+    """Streaming-read reference in GB/s: best of `tries` torch.sum over `a`, a float32 tensor far larger than
+    the caches (one pass, no writes: bandwidth-bound on a few threads)."""
+    a.sum()  # warm up
     best = float("inf")
     for _ in range(tries):
         t0 = time.perf_counter()
@@ -190,7 +191,9 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
 
 
 def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[float]],
-                     weight_bytes: Dict[str, int], bw_ref: Optional[float]) -> dict:
+                     weight_bytes: Dict[str, int], bw_ref: Optional[float], read_bytes: int) -> dict:
+    samples = dict(samples)
+    read_samples = samples.pop(READ, None)
     results = {}
     for cand, s in samples.items():
         sec = statistics.median(s)
@@ -201,7 +204,10 @@ def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[
     ratios = {cand: r["ms"] / ours for cand, r in results.items() if cand != OURS}
     case = {"shape": name, "role": SHAPE_ROLES.get(name, ""), "m": m, "n": n, "k": k,
             "phase": "decode" if m <= 16 else "prefill", "results": results, "speedup": ratios}
-    if bw_ref:
+    if read_samples:  # the read reference timed in the same rounds as the candidates
+        case["read_gbs"] = read_bytes / statistics.median(read_samples) / 1e9
+        case["decode_efficiency"] = results[OURS]["weight_gbs"] / case["read_gbs"]
+    elif bw_ref:
         case["decode_efficiency"] = results[OURS]["weight_gbs"] / bw_ref
     return case
 
@@ -299,7 +305,7 @@ def evaluate_targets(result: dict) -> List[dict]:
 
     c = _find(cases, "14336x4096", 1)
     add("decode M=1 14336x4096: weight bandwidth / streaming-read bandwidth",
-        None if c is None or not bw else c["results"][OURS]["weight_gbs"] / bw, 0.90, True)
+        None if c is None or not bw else c["decode_efficiency"], 0.90, True)
     add("decode M=1 14336x4096: time / torch.ao", time_ratio(c, AO), 1.0, False)
     add("decode M=1 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 1), AO), 1.0, False)
     add("decode M=16 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 16), AO), 0.8, False)
@@ -324,8 +330,12 @@ def evaluate_targets(result: dict) -> List[dict]:
 # --------------------------------------------------------------------------------------------------- report
 
 def print_linear(case: dict, bw: Optional[float]) -> None:
-    eff = f", decode efficiency {case['decode_efficiency'] * 100:.0f}% of read bw" if (
-        bw and case["phase"] == "decode") else ""
+    eff = ""
+    if "read_gbs" in case:
+        eff = (f", decode efficiency {case['decode_efficiency'] * 100:.0f}% of the same rounds' read bw "
+               f"({case['read_gbs']:.2f} GB/s)")
+    elif bw and case["phase"] == "decode":
+        eff = f", decode efficiency {case['decode_efficiency'] * 100:.0f}% of read bw"
     print(f"{case['phase']} M={case['m']:<4} N={case['n']} K={case['k']} ({case['role']}){eff}")
     for cand, r in case["results"].items():
         ratio = "" if cand == OURS else f"  w8a8_cpu speedup x{case['speedup'][cand]:.2f}"
@@ -467,7 +477,9 @@ def run(args) -> int:
           f"speedup = baseline time / w8a8_cpu time")
     progress = Progress(len(linear_cases) + len(moe_cases) + 3, enabled=not args.no_progress)
     bw_mib = 64 if args.quick else 256
-    bw_samples = [read_bandwidth(bw_mib, 3 if args.quick else 5)]
+    read_ref = torch.ones(bw_mib * (1 << 20) // 4, dtype=torch.float32)
+    read_bytes = read_ref.numel() * 4
+    bw_samples = [read_bandwidth(read_ref, 3 if args.quick else 5)]
     progress.step("read bandwidth")
     gen = torch.Generator().manual_seed(0)
     errors: Dict[str, str] = {}
@@ -480,10 +492,13 @@ def run(args) -> int:
         make, weight_bytes = linear_candidates(n, k, gen, errors)
         for m in ms:
             progress.step(f"linear {shape} M={m}")
-            linear_out.append((shape, n, k, m, interleaved(make(m), reps, warmup), weight_bytes))
+            candidates = make(m)
+            if m <= max(DECODE_M):
+                candidates[READ] = read_ref.sum
+            linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes))
         del make
     if linear_cases:
-        bw_samples.append(read_bandwidth(bw_mib, 3 if args.quick else 5))
+        bw_samples.append(read_bandwidth(read_ref, 3 if args.quick else 5))
     progress.step("overhead (M=1 N=K=64)")
     result["overhead_us"] = bench_overhead(reps, warmup, inner=200 if args.quick else 2000)
     for m, e, k in moe_cases:
@@ -495,7 +510,7 @@ def run(args) -> int:
     bw = max(bw_samples)
     result["read_bandwidth_gbs"] = bw
     result["read_bandwidth_samples_gbs"] = bw_samples
-    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw) for s, n, k, m, smp, wb in linear_out]
+    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, read_bytes) for s, n, k, m, smp, wb in linear_out]
     result["unavailable"] = errors
     print(f"streaming-read reference: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "
           f"{', '.join(f'{b:.2f}' for b in bw_samples)})")

@@ -67,8 +67,8 @@ def parse_variants(cmake: Path) -> dict:
 
 def compile_asm(cxx: str, flags: list, source: Path, dest: Path) -> str:
     # -g only adds .loc lines (GCC emits the same code with and without it): they name each loop's source line
-    cmd = [cxx, "-O3", "-g", "-std=c++17", "-ffp-contract=off", "-fPIC", "-DNDEBUG", *flags, f"-I{ROOT / 'csrc'}",
-           "-S", "-o", str(dest), str(source)]
+    cmd = [cxx, "-O3", "-g", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fno-semantic-interposition",
+           "-fPIC", "-DNDEBUG", *flags, f"-I{ROOT / 'csrc'}", "-S", "-o", str(dest), str(source)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return dest.read_text()
 

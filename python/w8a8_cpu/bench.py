@@ -366,7 +366,7 @@ def plot(result: dict, path: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)")
     cases, moe = result["linear"], result.get("moe") or []
     panels = [p for p in (cases, moe) if p]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.55 * max(len(cases), len(moe), 1) + 3),
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.8 * max(len(cases), len(moe), 1) + 3),
                                                       4.5 * len(panels)), squeeze=False)
     for ax, rows in zip(axes[:, 0], panels):
         is_moe = rows is moe

@@ -40,7 +40,9 @@ def test_bench_quick_json_and_plot(tmp_path):
             assert all(_positive(r[key]) for key in ("ms", "gops", "weight_gbs", "weight_bytes")), (cand, r)
         assert set(case["speedup"]) == set(case["results"]) - {"w8a8_cpu"}
         assert all(_positive(v) for v in case["speedup"].values())
-        assert _positive(case["decode_efficiency"])
+        # --quick runs decode M only: each has the same rounds' read, which is no candidate of its own
+        assert _positive(case["read_gbs"]) and "streaming read" not in case["results"]
+        assert case["decode_efficiency"] == pytest.approx(case["results"]["w8a8_cpu"]["weight_gbs"] / case["read_gbs"])
     assert result["overhead_us"] and all(_positive(v) for v in result["overhead_us"].values())
     assert result["moe"]
     for case in result["moe"]:

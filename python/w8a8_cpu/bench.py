@@ -79,12 +79,18 @@ def progress_line(label: str, done: int, total: int) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (a final line only when stderr is not a terminal)."""
+    """A one-line progress bar on stderr, named `name` (a final line only when stderr is not a terminal)."""
 
-    def __init__(self, total: int, enabled: bool = True):
-        self.total, self.done, self.enabled = max(total, 1), 0, enabled
+    def __init__(self, total: int, enabled: bool = True, name: str = "bench"):
+        self.total, self.done, self.enabled, self.name = max(total, 1), 0, enabled, name
         self.tty = sys.stderr.isatty()
         self.t0 = time.perf_counter()
+
+    def note(self, text: str) -> None:
+        """A message on its own line (e.g. a slow first-use step)."""
+        if self.enabled:
+            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + f"  {self.name}: {text}\n")
+            sys.stderr.flush()
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -95,7 +101,7 @@ class Progress:
         width = 28
         filled = width * self.done // self.total
         elapsed = time.perf_counter() - self.t0
-        line = f"  bench [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
+        line = f"  {self.name} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
         end = "\n" if self.done >= self.total or not self.tty else ""
         sys.stderr.write(("\r" if self.tty else "") + f"{line:<100}"[:100] + end)
         sys.stderr.flush()
@@ -138,14 +144,16 @@ def read_bandwidth(a: torch.Tensor, tries: int = 5) -> float:
 
 # --------------------------------------------------------------------------------------------------- linear
 
-def ao_dynamic(model: torch.nn.Module) -> torch.nn.Module:
-    """torch.ao dynamic int8 quantization of every nn.Linear in `model` (the baseline; its deprecation warnings
-    silenced). Raises if this torch build has no quantized engine."""
+def ao_dynamic(model: torch.nn.Module, skip: Sequence[str] = ()) -> torch.nn.Module:
+    """torch.ao dynamic int8 quantization of every nn.Linear in `model` but those named in `skip` (the baseline;
+    its deprecation warnings silenced). Raises if this torch build has no quantized engine."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        spec = {name: default_dynamic_qconfig for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear) and name not in skip}
+        return quantize_dynamic(model, spec, dtype=torch.qint8)
 
 
 def _ao_engine() -> str:

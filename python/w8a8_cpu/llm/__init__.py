@@ -1,0 +1,28 @@
+"""LLM-level tools: SmoothQuant, W8A8 checkpoints in and out, and the SmolLM2 main job.
+
+    smooth_quant(model, calibration_ids, alpha=0.5)   # fold activation outliers into the weights (float model)
+    quantize_model(model, skip=["lm_head"])             # w8a8_cpu.nn: Linear -> W8A8Linear, experts -> W8A8Experts
+    save_compressed(model, directory)                   # a compressed-tensors int-quantized checkpoint
+    model = load_quantized(directory)                   # compressed-tensors int-quantized or sglang w8a8_int8
+
+Imported lazily: the checkpoint code needs safetensors, which only the llm extra installs."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "smooth_quant": "smoothquant",
+    "SmoothingReport": "smoothquant",
+    "MAPPINGS": "smoothquant",
+    "save_compressed": "checkpoint",
+    "load_quantized": "checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'w8a8_cpu.llm' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -1,0 +1,682 @@
+"""W8A8 checkpoints in and out of transformers models, as safetensors.
+
+save_compressed writes a model quantized by w8a8_cpu.nn.quantize_model as a compressed-tensors ``int-quantized``
+checkpoint (int8 weights with one fp32 scale per output channel, int8 dynamic per-token activations), the format
+vLLM, sglang and transformers read. load_quantized reads such checkpoints (and sglang's ``w8a8_int8`` layout) back
+into a transformers model built from its config.json, with W8A8Linear / W8A8Experts in place of the quantized
+layers and without ever creating their float weights.
+
+Checkpoint files are untrusted input: every field and tensor is validated before use, a scheme these kernels cannot
+run exactly is refused, and every error is a ValueError naming the file and the tensor, layer or field.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights
+
+PathLike = Union[str, Path]
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+_MAX_ECHO = 96  # characters of a checkpoint-supplied name or value quoted back in an error message
+_MAX_LISTED = 5  # names listed when reporting a set of missing / unexpected tensors
+
+_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_MODEL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _echo(value) -> str:
+    """repr of a checkpoint-supplied value, cut to _MAX_ECHO characters (the files are untrusted)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > _MAX_ECHO:
+        text = text[:_MAX_ECHO] + "..."
+    return repr(text) if isinstance(value, str) else text
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(_echo(n) for n in sorted(names)[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+# ---- checkpoint naming -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ExpertNaming:
+    block: str  # the MoE block's name in checkpoints (transformers 5 calls it `mlp` in the module tree)
+    projections: Tuple[str, str, str]  # each expert's (gate, up, down) Linear
+
+
+# transformers 5 fuses each MoE block's experts into 3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I] parameters;
+# checkpoints (vLLM, sglang, transformers 4, and transformers 5's own save_pretrained) keep one Linear per expert
+# and projection. The names are transformers 5's conversion_mapping for these model types, reversed.
+_EXPERT_NAMING: Dict[str, _ExpertNaming] = {
+    "mixtral": _ExpertNaming("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": _ExpertNaming("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": _ExpertNaming("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+class _Naming:
+    """Checkpoint names of a transformers 5 model's modules: the model's own, except in MoE blocks."""
+
+    def __init__(self, config):
+        self.model_type = getattr(config, "model_type", None)
+        self.experts = _EXPERT_NAMING.get(self.model_type)
+
+    def checkpoint_name(self, name: str) -> str:
+        if self.experts is None or self.experts.block == "mlp":
+            return name
+        return re.sub(r"(?<![^.])mlp(?![^.])", self.experts.block, name)
+
+    def expert_linears(self, module_name: str, num_experts: int) -> List[Tuple[str, str, str]]:
+        """Per expert, the checkpoint names of its (gate, up, down) Linear layers."""
+        if self.experts is None:
+            raise ValueError(f"model: {module_name} is a fused-experts module, but the per-expert checkpoint naming "
+                             f"of model_type {self.model_type!r} is unknown (known: {sorted(_EXPERT_NAMING)})")
+        prefix = self.checkpoint_name(module_name)
+        return [tuple(f"{prefix}.{e}.{p}" for p in self.experts.projections) for e in range(num_experts)]
+
+
+def _tied_weights(model) -> Dict[str, str]:
+    """{tied parameter: the parameter it is tied to} as the model's config has it now (lm_head.weight ->
+    model.embed_tokens.weight when tie_word_embeddings); the tied one is not stored in checkpoints."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    return expand(all_submodels=True) if expand is not None else {}
+
+
+def _is_router(module: torch.nn.Module) -> bool:
+    """A float layer that other readers build as a Linear: transformers 5's MoE routers (TopKRouter modules that
+    hold a 2-D `weight` of their own) are plain nn.Linear in vLLM, sglang and transformers 4."""
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
+    return weight is not None and weight.dim() == 2 and not isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+
+
+# ---- save ------------------------------------------------------------------------------------------------------
+
+_INT8_CHANNEL_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
+                         "dynamic": False}
+_INT8_TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
+                           "dynamic": True}
+
+
+def _compressed_tensors_config(ignore: List[str]) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
+                                      "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
+                                      "output_activations": None, "format": "int-quantized"}},
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def _expert_tensors(names, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale=None, down_scale=None):
+    """Per-expert checkpoint tensors of fused experts (int8 + scales, or float when the scales are None)."""
+    inter = gate_up.shape[1] // 2
+    out = {}
+    for e, (gate, up, down_name) in enumerate(names):
+        for name, rows in ((gate, slice(0, inter)), (up, slice(inter, 2 * inter))):
+            out[f"{name}.weight"] = gate_up[e, rows].clone()  # clones: safetensors refuses tensors sharing storage
+            if gate_up_scale is not None:
+                out[f"{name}.weight_scale"] = gate_up_scale[e, rows].reshape(-1, 1).clone()
+        out[f"{down_name}.weight"] = down[e].clone()
+        if down_scale is not None:
+            out[f"{down_name}.weight_scale"] = down_scale[e].reshape(-1, 1).clone()
+    return out
+
+
+def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
+    """(tensors by checkpoint name, checkpoint names of the Linear-like layers kept float)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    float_layers: List[str] = []
+    written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8MoE):
+            raise ValueError(f"model: {name} is a W8A8MoE, which has no checkpoint layout; quantize_model's "
+                             f"W8A8Experts replaces transformers' experts modules and can be saved")
+        if isinstance(module, W8A8Linear):
+            prefix = naming.checkpoint_name(name)
+            tensors[f"{prefix}.weight"] = module.int8_weight()
+            tensors[f"{prefix}.weight_scale"] = module.w_scale.reshape(-1, 1).clone()
+            if module.bias is not None:
+                tensors[f"{prefix}.bias"] = module.bias.clone()
+        elif isinstance(module, W8A8Experts):
+            names = naming.expert_linears(name, module.num_experts)
+            tensors.update(_expert_tensors(names, *module.int8_weights(), module.w13_scale, module.w2_scale))
+        elif _expert_weights(module) is not None:  # experts that quantize_model was told to skip
+            gate_up, down = (w.detach() for w in _expert_weights(module))
+            names = naming.expert_linears(name, gate_up.shape[0])
+            tensors.update(_expert_tensors(names, gate_up, down))
+            float_layers += [layer for expert in names for layer in expert]
+        else:
+            if isinstance(module, torch.nn.Linear) or _is_router(module):
+                float_layers.append(naming.checkpoint_name(name))
+            continue
+        written_per_layer.add(name)
+
+    seen = set()  # a tied parameter (lm_head.weight = embed_tokens.weight) is one object: written once
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen or key.rpartition(".")[0] in written_per_layer:
+            continue
+        seen.add(id(tensor))
+        tensors[naming.checkpoint_name(key)] = tensor.detach().contiguous()
+    return tensors, float_layers
+
+
+def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) -> List[Dict[str, torch.Tensor]]:
+    """Tensors grouped in order into shards of at most max_shard_bytes (a larger tensor gets a shard of its own)."""
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None) -> None:
+    """Write a transformers model quantized by quantize_model as a compressed-tensors checkpoint in `directory`.
+
+    config.json is the model's config plus a quantization_config (quant_method "compressed-tensors", format
+    "int-quantized", status "compressed"; one group targeting Linear: int8 symmetric per-channel weights, int8
+    symmetric dynamic per-token input activations; `ignore` names every Linear-like layer kept float, MoE routers
+    included). Quantized layers are stored as `<layer>.weight` int8 [N, K] and `<layer>.weight_scale` fp32 [N, 1];
+    everything else in the model's float dtype. Fused MoE experts are written per expert under the names vLLM,
+    sglang and transformers read (Mixtral `block_sparse_moe.experts.E.w1/w3/w2`, Qwen2/3-MoE
+    `mlp.experts.E.gate_proj/up_proj/down_proj`); a tied lm_head is not written. With max_shard_bytes the tensors are
+    split into `model-0000i-of-0000n.safetensors` shards listed by model.safetensors.index.json (one shard is
+    written as model.safetensors). generation_config.json is written when the model has one; the tokenizer is the
+    caller's. Weight files of an earlier checkpoint in `directory` are removed first."""
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0):
+        raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes!r}")
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise ValueError(f"model: expected a transformers model with a config, got {type(model).__name__}")
+    for target, source in _tied_weights(model).items():
+        try:
+            tied = model.get_parameter(target) is model.get_parameter(source)
+        except AttributeError:  # e.g. lm_head replaced by a W8A8Linear, which has no weight parameter
+            tied = False
+        if not tied:
+            raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
+                             f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
+                             f"config.tie_word_embeddings = False")
+    tensors, float_layers = _checkpoint_tensors(model, _Naming(config))
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.iterdir():  # a leftover shard or index of another checkpoint would be read with ours
+        if stale.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_PATTERN.fullmatch(stale.name):
+            stale.unlink()
+
+    config_dict = config.to_dict()
+    config_dict["architectures"] = [type(model).__name__]
+    config_dict["dtype"] = str(model.dtype).removeprefix("torch.")
+    config_dict["quantization_config"] = _compressed_tensors_config(float_layers)
+    (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# ---- quantization schemes (read) -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Scheme:
+    """Which Linear layers of a checkpoint are stored W8A8, and their weight-scale strategy."""
+
+    where: str  # "<config.json path> quantization_config", for messages
+    targets: Dict[str, str]  # compressed-tensors target -> weight strategy ("channel" / "tensor"), in config order
+    ignore: Tuple[str, ...]
+    by_stored_dtype: bool  # sglang w8a8_int8: a layer is W8A8 iff its weight is stored int8
+
+    def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]) -> Optional[str]:
+        """The layer's weight strategy, or None when the checkpoint keeps it float."""
+        ignored = any(_target_matches(t, layer, classes) for t in self.ignore)
+        if self.by_stored_dtype:
+            if stored_dtype == "I8" and ignored:
+                raise ValueError(f"{self.where}: layer {_echo(layer)} is in `ignore` but its weight is stored int8")
+            return "channel" if stored_dtype == "I8" else None
+        if ignored:
+            return None
+        # compressed-tensors' precedence: exact names, then regexes (each sorted), then class names
+        ordered = sorted(self.targets, key=lambda t: ("re:" in t, t))
+        by_name = [t for t in ordered if _name_matches(t, layer)]
+        by_class = [t for t in ordered if t in classes and t not in by_name]
+        matched = by_name + by_class
+        return self.targets[matched[0]] if matched else None
+
+
+def _name_matches(target: str, name: str) -> bool:
+    return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
+
+
+def _target_matches(target: str, name: str, classes: Sequence[str]) -> bool:
+    """compressed-tensors' rule: an exact module name, a `re:` regex matched at the name's start, or a class name."""
+    return _name_matches(target, name) or target in classes
+
+
+def _require(condition: bool, where: str, field: str, value, supported: str) -> None:
+    if not condition:
+        raise ValueError(f"{where}: {field} is {_echo(value)}; {supported}")
+
+
+def _check_fields(section: dict, known: Sequence[str], where: str, field: str) -> None:
+    unknown = [k for k in section if k not in known]
+    if unknown:
+        raise ValueError(f"{where}: {field} has a field {_echo(unknown[0])} that w8a8_cpu does not know; it refuses "
+                         f"rather than guess what it changes (known: {', '.join(known)})")
+
+
+def _check_names(value, where: str, field: str) -> Tuple[str, ...]:
+    """A list of compressed-tensors targets (names, `re:` regexes, class names), each regex compiled once here."""
+    _require(isinstance(value, list) and all(isinstance(v, str) for v in value), where, field, value,
+             "expected a list of strings")
+    for target in value:
+        if target.startswith("re:"):
+            try:
+                re.compile(target[3:])
+            except re.error as e:
+                raise ValueError(f"{where}: {field} entry {_echo(target)} is not a valid regex ({e})") from None
+    return tuple(value)
+
+
+def _lower(value):
+    """compressed-tensors reads its enum fields (type, strategy) case-insensitively."""
+    return value.lower() if isinstance(value, str) else value
+
+
+_ARGS_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+                "scale_dtype", "zp_dtype", "observer", "observer_kwargs")
+
+
+def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: bool) -> str:
+    """Validate one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy."""
+    _require(isinstance(args, dict), where, field, args, "expected an object")
+    _check_fields(args, _ARGS_FIELDS, where, field)
+    _require(args.get("num_bits", 8) == 8, where, f"{field}.num_bits", args.get("num_bits"),
+             "w8a8_cpu runs 8-bit quantization only")
+    _require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
+             "w8a8_cpu runs int8 only (not float / fp8)")
+    _require(args.get("symmetric", True) is True, where, f"{field}.symmetric", args.get("symmetric"),
+             "w8a8_cpu runs symmetric quantization only (no zero points)")
+    group_size = args.get("group_size")
+    strategy = _lower(args.get("strategy"))
+    if strategy is None:  # compressed-tensors infers it from group_size: none -> tensor, -1 -> channel, else group
+        strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    _require(strategy in strategies, where, f"{field}.strategy", strategy,
+             f"w8a8_cpu runs {' / '.join(strategies)} here")
+    _require(group_size in (None, -1), where, f"{field}.group_size", group_size, "group-wise scales are not supported")
+    _require(args.get("block_structure") is None, where, f"{field}.block_structure", args.get("block_structure"),
+             "block-wise scales are not supported")
+    _require(args.get("dynamic", False) is dynamic, where, f"{field}.dynamic", args.get("dynamic"),
+             "expected true: w8a8_cpu computes activation scales per token at run time"
+             if dynamic else "expected false: weights carry static scales")
+    _require(args.get("actorder") in (None, False, "weight"), where, f"{field}.actorder", args.get("actorder"),
+             "activation-ordered groups (g_idx) are not supported")
+    return strategy
+
+
+_COMPRESSED_TENSORS_FIELDS = ("quant_method", "format", "quantization_status", "config_groups", "ignore",
+                              "kv_cache_scheme", "global_compression_ratio", "sparsity_config", "transform_config",
+                              "moe_sparsity_config", "version")
+_GROUP_FIELDS = ("targets", "weights", "input_activations", "output_activations", "format")
+_FORMATS = ("int-quantized", "naive-quantized")  # both store int8 weights and their scales as they are
+
+
+def _compressed_tensors_scheme(qc: dict, where: str) -> _Scheme:
+    _check_fields(qc, _COMPRESSED_TENSORS_FIELDS, where, "quantization_config")
+    status = qc.get("quantization_status")
+    _require(status == "compressed", where, "quantization_status", status,
+             "expected 'compressed' (int8 weights stored); other statuses store float weights")
+    for field in ("kv_cache_scheme", "moe_sparsity_config", "sparsity_config", "transform_config"):
+        _require(not qc.get(field), where, field, qc.get(field),
+                 "w8a8_cpu runs plain W8A8 linear layers only (no kv-cache quantization, sparsity or transforms)")
+    groups = qc.get("config_groups")
+    _require(isinstance(groups, dict) and groups, where, "config_groups", groups, "expected a non-empty object")
+    targets: Dict[str, str] = {}
+    for group_name, group in groups.items():
+        field = f"config_groups[{_echo(group_name)}]"
+        _require(isinstance(group, dict), where, field, group,
+                 "expected a scheme object (preset-name groups are not supported)")
+        _check_fields(group, _GROUP_FIELDS, where, field)
+        group_format = group.get("format") or qc.get("format")
+        _require(group_format in _FORMATS, where, f"{field}.format", group_format,
+                 f"w8a8_cpu reads {' / '.join(_FORMATS)} only")
+        _require(group.get("weights") is not None, where, f"{field}.weights", None, "expected int8 weights")
+        _require(group.get("input_activations") is not None, where, f"{field}.input_activations", None,
+                 "weight-only quantization is not W8A8 (expected int8 dynamic per-token activations)")
+        _require(group.get("output_activations") is None, where, f"{field}.output_activations",
+                 group.get("output_activations"), "output quantization is not supported")
+        strategy = _check_args(group["weights"], where, f"{field}.weights", ("channel", "tensor"), dynamic=False)
+        _check_args(group["input_activations"], where, f"{field}.input_activations", ("token",), dynamic=True)
+        for target in _check_names(group.get("targets"), where, f"{field}.targets"):
+            targets[target] = strategy  # a later group's scheme replaces an earlier one's (compressed-tensors' rule)
+    ignore = _check_names(qc.get("ignore") or [], where, "ignore")
+    return _Scheme(where, targets, ignore, by_stored_dtype=False)
+
+
+_SGLANG_FIELDS = ("quant_method", "ignore", "activation_scheme")
+
+
+def _sglang_scheme(qc: dict, where: str) -> _Scheme:
+    _check_fields(qc, _SGLANG_FIELDS, where, "quantization_config")
+    _require(qc.get("activation_scheme", "dynamic") == "dynamic", where, "activation_scheme",
+             qc.get("activation_scheme"), "w8a8_cpu computes activation scales per token at run time ('dynamic')")
+    return _Scheme(where, {}, _check_names(qc.get("ignore") or [], where, "ignore"), by_stored_dtype=True)
+
+
+def _read_scheme(config_dict: dict, where: str) -> _Scheme:
+    qc = config_dict.get("quantization_config")
+    _require(isinstance(qc, dict), where, "quantization_config", qc,
+             "expected an object: load_quantized reads pre-quantized checkpoints only")
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(qc, f"{where} quantization_config")
+    if method == "w8a8_int8":
+        return _sglang_scheme(qc, f"{where} quantization_config")
+    raise ValueError(f"{where}: quantization_config.quant_method is {_echo(method)}; w8a8_cpu reads "
+                     f"'compressed-tensors' (int-quantized) and sglang's 'w8a8_int8' only")
+
+
+# ---- checkpoint files (read) -----------------------------------------------------------------------------------
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read as JSON ({type(e).__name__})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _weight_map(directory: Path) -> Dict[str, str]:
+    """tensor name -> file name, from the index (validated) or from the single weights file."""
+    index, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    if index.exists() and single.exists():
+        raise ValueError(f"{directory}: holds both {SINGLE_FILE} and {INDEX_FILE}; which one is the checkpoint "
+                         f"is ambiguous")
+    if not index.exists():
+        if not single.is_file():
+            raise ValueError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+        return {}  # filled from the file's own header by _StoredTensors
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: weight_map is missing or not a non-empty object")
+    for key, file_name in weight_map.items():
+        plain = (isinstance(file_name, str) and file_name.endswith(".safetensors") and "/" not in file_name
+                 and "\\" not in file_name and Path(file_name).name == file_name and not file_name.startswith("."))
+        if not plain:
+            raise ValueError(f"{index}: weight_map[{_echo(key)}] is {_echo(file_name)}; expected the plain name of a "
+                             f".safetensors file in the checkpoint directory")
+    for file_name in set(weight_map.values()):
+        if not (directory / file_name).is_file():
+            raise ValueError(f"{index}: names {_echo(file_name)}, which does not exist in {directory}")
+    return weight_map
+
+
+class _StoredTensors:
+    """The checkpoint's tensors by name: files opened with safe_open (headers only), each tensor's dtype and shape
+    validated before it is read, and every tensor taken accounted for."""
+
+    def __init__(self, directory: Path, stack: contextlib.ExitStack):
+        self.directory = directory
+        weight_map = _weight_map(directory)
+        self._files = {}
+        for file_name in sorted(set(weight_map.values()) or {SINGLE_FILE}):
+            try:
+                self._files[file_name] = stack.enter_context(safe_open(str(directory / file_name), "pt", "cpu"))
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{directory / file_name}: not a readable safetensors file "
+                                 f"({_echo(str(e))})") from None
+        if not weight_map:
+            weight_map = dict.fromkeys(self._files[SINGLE_FILE].keys(), SINGLE_FILE)
+        for file_name, handle in self._files.items():
+            listed = {k for k, f in weight_map.items() if f == file_name}
+            absent = listed - set(handle.keys())
+            if absent:
+                raise ValueError(f"{directory / INDEX_FILE}: lists tensors that {file_name} does not hold: "
+                                 f"{_listing(list(absent))}")
+        self._file_of = weight_map
+        self.unused = set(weight_map)
+
+    def _where(self, key: str) -> str:
+        return f"{self.directory / self._file_of[key]}: tensor {_echo(key)}"
+
+    def stored_dtype(self, key: str) -> Optional[str]:
+        """safetensors dtype name ("I8", "BF16", ...) of `key`, None if the checkpoint lacks it."""
+        return self._files[self._file_of[key]].get_slice(key).get_dtype() if key in self._file_of else None
+
+    def _take(self, key: str, dtypes: Sequence[str], shapes: Sequence[Sequence[int]], what: str) -> torch.Tensor:
+        """The tensor `key`, once its header says it has one of `dtypes` and one of `shapes` (nothing is read
+        before that, so a malformed header cannot make us read a huge tensor)."""
+        if key not in self._file_of:
+            raise ValueError(f"{self.directory}: tensor {_echo(key)} ({what}) is missing from the checkpoint")
+        stored = self._files[self._file_of[key]].get_slice(key)
+        if stored.get_dtype() not in dtypes or list(stored.get_shape()) not in [list(s) for s in shapes]:
+            raise ValueError(f"{self._where(key)} is {stored.get_dtype()} {list(stored.get_shape())}; expected "
+                             f"{what}: {' or '.join(dtypes)} {' or '.join(str(list(s)) for s in shapes)}")
+        self.unused.discard(key)
+        return self._files[self._file_of[key]].get_tensor(key)
+
+    def int8(self, key: str, shape: Sequence[int]) -> torch.Tensor:
+        return self._take(key, ("I8",), [shape], "an int8 weight")
+
+    def floating(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self._take(key, tuple(_FLOAT_DTYPES), [shape], "a float tensor").to(dtype)
+
+    def scale(self, key: str, channels: int, strategy: str) -> torch.Tensor:
+        """fp32 [channels] weight scales, stored [n, 1] or [n] (n = channels, or 1 for a per-tensor scale, which is
+        broadcast exactly to every channel), each finite and > 0."""
+        n = channels if strategy == "channel" else 1
+        shapes = [[n, 1], [n]] + ([[]] if n == 1 else [])
+        scale = self._take(key, tuple(_FLOAT_DTYPES), shapes, f"{strategy} weight scales").to(torch.float32)
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
+        return scale.reshape(-1).expand(channels).contiguous()
+
+
+# ---- load ------------------------------------------------------------------------------------------------------
+
+def _is_silu(act: torch.nn.Module) -> bool:
+    probe = torch.linspace(-8.0, 8.0, 33)
+    with torch.no_grad():  # by behaviour: transformers wraps SiLU in classes of its own
+        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
+
+
+class _Loader:
+    """Fills a model built on the meta device from the checkpoint, layer by layer."""
+
+    def __init__(self, model, tensors: _StoredTensors, scheme: _Scheme):
+        self.model, self.tensors, self.scheme = model, tensors, scheme
+        self.naming = _Naming(model.config)
+
+    def _linear(self, layer: str, classes: Sequence[str], shape: Sequence[int], dtype: torch.dtype):
+        """(int8 weight, fp32 scale [N]) of a W8A8 layer, or (float weight, None) of a layer stored float."""
+        weight = f"{layer}.weight"
+        strategy = self.scheme.weight_strategy(layer, classes, self.tensors.stored_dtype(weight))
+        if strategy is None:
+            return self.tensors.floating(weight, shape, dtype), None
+        return self.tensors.int8(weight, shape), self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy)
+
+    def _replace(self, name: str, module: torch.nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), child, module)
+
+    def linear(self, name: str, module: torch.nn.Linear) -> None:
+        layer = self.naming.checkpoint_name(name)
+        classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
+        weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype)
+        if scale is None:
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)  # its bias: with the other parameters
+            return
+        bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape, torch.float32)
+        self._replace(name, W8A8Linear(weight, scale, bias))
+
+    def experts(self, name: str, module: torch.nn.Module) -> None:
+        gate_up, down = _expert_weights(module)
+        experts, inter2, hidden = gate_up.shape
+        shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
+        loaded = [[self._linear(layer, ("Linear",), shape, gate_up.dtype) for layer, shape in zip(layers, shapes)]
+                  for layers in self.naming.expert_linears(name, experts)]
+        quantized = {scale is not None for expert in loaded for _, scale in expert}
+        if len(quantized) > 1:
+            raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} are "
+                             f"partly int8, partly float; w8a8_cpu runs an experts module wholly one or the other")
+        w13 = torch.stack([torch.cat([gate[0], up[0]]) for gate, up, _ in loaded])
+        w2 = torch.stack([down[0] for _, _, down in loaded])
+        if quantized == {False}:
+            module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
+            module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+            return
+        if not _is_silu(module.act_fn):
+            raise ValueError(f"model: {name} uses activation {type(module.act_fn).__name__}; the fused W8A8 experts "
+                             f"implement SiLU-gated experts only")
+        w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])
+        w2_scale = torch.stack([down[1] for _, _, down in loaded])
+        self._replace(name, W8A8Experts(w13, w13_scale, w2, w2_scale))
+
+    def remaining(self, tied: Sequence[str]) -> None:
+        """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its
+        float tensor, and persistent buffers the checkpoint holds."""
+        replaced = {n for n, m in self.model.named_modules() if isinstance(m, (W8A8Linear, W8A8Experts))}
+        for key, tensor in self.model.state_dict(keep_vars=True).items():
+            owner, _, leaf = key.rpartition(".")
+            stored = self.naming.checkpoint_name(key)
+            if key in tied or owner in replaced or not (tensor.is_meta or stored in self.tensors.unused):
+                continue
+            module = self.model.get_submodule(owner)
+            value = self.tensors.floating(stored, tensor.shape, tensor.dtype)
+            if isinstance(tensor, torch.nn.Parameter):
+                setattr(module, leaf, torch.nn.Parameter(value, requires_grad=False))
+            else:
+                module.register_buffer(leaf, value)
+
+
+def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
+    from transformers import CONFIG_MAPPING
+
+    model_type = config_dict.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{where}: model_type is {_echo(model_type)}; expected a model type this transformers knows")
+    architecture = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(architecture)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # transformers parsing an untrusted file
+        raise ValueError(f"{where}: not a valid {model_type} config ({type(e).__name__}: {_echo(str(e))})") from None
+    if dtype is None:
+        stored = config_dict.get("dtype", config_dict.get("torch_dtype")) or "float32"
+        if not isinstance(stored, str) or stored not in _MODEL_DTYPES:
+            raise ValueError(f"{where}: dtype is {_echo(stored)}; expected one of {sorted(_MODEL_DTYPES)}")
+        dtype = _MODEL_DTYPES[stored]
+    elif dtype not in _MODEL_DTYPES.values():
+        raise ValueError(f"dtype: expected torch.float16, torch.bfloat16 or torch.float32, got {dtype}")
+    return config, dtype
+
+
+def _empty_model(config, dtype: torch.dtype):
+    """The causal LM of `config` with every parameter on the meta device, so that no float weight is ever allocated,
+    and real buffers. This is transformers' own from_pretrained path: build on meta, then give each buffer real
+    storage and let the model's _init_weights compute it (rotary inv_freq and the like)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    owners = set()
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        module.register_buffer(leaf, torch.empty_like(buffer, device="cpu"),
+                               persistent=leaf not in module._non_persistent_buffers_set)
+        owners.add(owner)
+    for owner in owners:
+        model._init_weights(model.get_submodule(owner))
+    return model
+
+
+def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
+    """Load a pre-quantized checkpoint from `directory` into a transformers causal LM, eval mode.
+
+    Reads compressed-tensors `int-quantized` / `naive-quantized` checkpoints (int8 symmetric weights with
+    "channel" or "tensor" scales, int8 symmetric dynamic per-token activations; `targets` and `ignore` honoured
+    as compressed-tensors does) and sglang `w8a8_int8` ones (int8 weight and fp32 weight_scale [N, 1]; a layer
+    whose weight is stored float stays float), from model.safetensors or a sharded model.safetensors.index.json.
+    The model is built from config.json on the meta device (buffers real), each quantized Linear becomes a
+    W8A8Linear and each MoE experts module a W8A8Experts from the stored int8 tensors (float weights of quantized
+    layers are never created), and everything else is loaded in `dtype` (default: config.json's dtype, else
+    float32). Any other scheme, and any file, field or tensor that is malformed, missing, unexpected or of the
+    wrong dtype or shape, raises ValueError naming it."""
+    from transformers import GenerationConfig
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"directory: {directory} is not a directory")
+    config_file = directory / CONFIG_FILE
+    config_dict = _read_json(config_file)
+    scheme = _read_scheme(config_dict, str(config_file))
+    config, dtype = _model_config(config_dict, str(config_file), dtype)
+    with contextlib.ExitStack() as stack:
+        tensors = _StoredTensors(directory, stack)
+        try:
+            model = _empty_model(config, dtype)
+        except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
+            raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
+                             f"{_echo(str(e))})") from None
+        loader = _Loader(model, tensors, scheme)
+        tied = set(_tied_weights(model))
+        for name, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear) and f"{name}.weight" not in tied:
+                loader.linear(name, module)
+            elif _expert_weights(module) is not None:
+                loader.experts(name, module)
+        loader.remaining(tied)
+        if tensors.unused:
+            raise ValueError(f"{directory}: holds tensors that belong to no part of the {config.model_type} model: "
+                             f"{_listing(list(tensors.unused))}")
+    model.tie_weights()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{directory}: the checkpoint does not provide {_listing(left)}")
+    generation_file = directory / "generation_config.json"
+    if generation_file.exists():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(directory)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{generation_file}: not a valid generation config ({type(e).__name__})") from None
+    return model.eval()
+
+
+__all__ = ["save_compressed", "load_quantized"]

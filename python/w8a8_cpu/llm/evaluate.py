@@ -1,0 +1,123 @@
+"""Accuracy and speed of causal LMs against a reference model: sliding-window perplexity, KL divergence and top-1
+agreement with the reference on the same windows, greedy generation, prefill and decode timing.
+
+A whole W8A8 model is chaotic (a 1e-7 relative change of its input moves logits by units), so its quality is
+judged statistically over thousands of tokens, never by one output being equal."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
+    """(begin, end, first_scored) of each sliding window: every token after the first is scored exactly once,
+    each with at least window - stride tokens of context once the first window is full."""
+    if not 0 < stride <= window or n_tokens < 2:
+        raise ValueError(f"window {window}, stride {stride}, tokens {n_tokens}: need 0 < stride <= window and "
+                         f">= 2 tokens")
+    spans, scored_to = [], 1
+    for begin in range(0, max(n_tokens - window, 0) + stride, stride):
+        end = min(begin + window, n_tokens)
+        if end <= scored_to:
+            break
+        spans.append((begin, end, scored_to))
+        scored_to = end
+    return spans
+
+
+def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: torch.Tensor, window: int = 512,
+                    stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None) -> Dict[str, dict]:
+    """Perplexity of every model on token ids [T], plus KL(reference || model) and top-1 agreement with
+    `reference` (one of the names) on the same scored positions. Models run window by window, so no model's
+    full-text logits are held at once."""
+    if reference not in models:
+        raise ValueError(f"reference: {reference!r} is not one of the models {list(models)}")
+    spans = windows(ids.numel(), window, stride)
+    totals = {name: {"nll": 0.0, "kl": 0.0, "top1": 0} for name in models}
+    scored = 0
+    with torch.inference_mode():
+        for i, (begin, end, first) in enumerate(spans):
+            inputs = ids[begin:end].unsqueeze(0)
+            targets = ids[first:end]
+            ref_logp = None
+            for name in [reference] + [n for n in models if n != reference]:
+                # position p predicts token p + 1: the logits of positions first-1 .. end-2 score the targets, so
+                # the LM head runs on the last end-first+1 positions only (it is a large share of the work)
+                logits = models[name](inputs, logits_to_keep=end - first + 1).logits[0, :-1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                totals[name]["nll"] -= logp.gather(1, targets.unsqueeze(1)).sum().item()
+                if ref_logp is None:
+                    ref_logp = logp
+                else:
+                    totals[name]["kl"] += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                    totals[name]["top1"] += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+            scored += targets.numel()
+            if on_window:
+                on_window(i + 1, len(spans))
+    out = {}
+    for name, t in totals.items():
+        ppl = float(torch.tensor(t["nll"] / scored).exp())
+        out[name] = {"ppl": ppl, "scored_tokens": scored}
+        if name != reference:
+            out[name].update(kl=t["kl"] / scored, top1_agreement=t["top1"] / scored)
+    return out
+
+
+def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
+    """Greedy generation (KV cache, batch 1) of exactly `new_tokens` tokens after prompt_ids [T]: the tokens and
+    the rate in tokens/s over the whole call (the short prompt's prefill included)."""
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model.generate(prompt_ids.unsqueeze(0), attention_mask=torch.ones(1, prompt_ids.numel(), dtype=torch.long),
+                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        elapsed = time.perf_counter() - t0
+    return {"tokens": out[0, prompt_ids.numel():].tolist(), "tokens_per_s": new_tokens / elapsed}
+
+
+def agreeing_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
+    """Number of leading tokens equal to the reference's."""
+    n = 0
+    for a, b in zip(tokens, reference):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, rounds: int = 3) -> Dict[str, float]:
+    """Median time of one forward pass over ids [T] (no cache), models interleaved per round so machine noise
+    hits all alike (call it on warm models: it does no warm-up of its own)."""
+    samples: Dict[str, List[float]] = {name: [] for name in models}
+    inputs = ids.unsqueeze(0)
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, model in models.items():
+                t0 = time.perf_counter()
+                model(inputs, use_cache=False)
+                samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's state (parameters, buffers and torch.ao's packed int8 weights, which live in the
+    state dict only), each storage counted once: tied embeddings are one tensor."""
+    seen, total = set(), 0
+
+    def count(value) -> None:
+        nonlocal total
+        if isinstance(value, (tuple, list)):
+            for v in value:
+                count(v)
+        elif isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+
+    for value in model.state_dict(keep_vars=True).values():
+        count(value)
+    return total

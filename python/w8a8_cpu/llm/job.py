@@ -1,0 +1,148 @@
+"""python -m w8a8_cpu llm: the main job, a real decoder LLM in W8A8, offline.
+
+Loads SmolLM2-135M-Instruct (smollm2.py), calibrates SmoothQuant on one text, quantizes, and compares fp32, W8A8
+round-to-nearest, W8A8 after SmoothQuant and torch.ao dynamic int8 on another text: perplexity, KL divergence and
+top-1 agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed.
+Texts: both ship with Debian's base-files package (every Debian system has them), neither was written by us.
+- evaluation: the GNU GPL version 3 text (/usr/share/common-licenses/GPL-3; verbatim copying permitted);
+- calibration: the Apache License 2.0 text (/usr/share/common-licenses/Apache-2.0), a different document."""
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+import w8a8_cpu
+from w8a8_cpu.bench import Progress, ao_dynamic
+from w8a8_cpu.llm import evaluate, smollm2
+from w8a8_cpu.llm.smoothquant import smooth_quant
+
+EVAL_TEXT = Path("/usr/share/common-licenses/GPL-3")
+CALIBRATION_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
+PPL_GATE_PERCENT = 1.5  # W8A8 (SmoothQuant) perplexity may be at most this much above fp32's
+SMOOTHQUANT_ALPHA = 0.5
+KEEP_FLOAT = ["lm_head"]  # tied to the fp32 token embedding; the usual `ignore` of W8A8 checkpoints
+CHAT_PROMPT = "Write a short paragraph explaining why the sky is blue."
+
+FP32, RTN, SQ, AO = "fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "torch.ao dynamic int8"
+
+
+def _tokens(tokenizer, path: Path, count: int, what: str) -> torch.Tensor:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise FileNotFoundError(f"{what} text {path} not readable ({e}); it ships with Debian's base-files") from e
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if ids.numel() < count:
+        raise ValueError(f"{what} text {path} has {ids.numel()} tokens, fewer than the {count} requested")
+    return ids[:count]
+
+
+def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibration_tokens: int = 1024,
+        new_tokens: int = 64, prefill_tokens: int = 512, bench: bool = True, show_progress: bool = True) -> dict:
+    """The main job; returns its results (print_report prints them)."""
+    n_windows = len(evaluate.windows(eval_tokens, window, stride))
+    progress = Progress(7 + n_windows + bench, enabled=show_progress, name="llm")
+    progress.step("loading SmolLM2-135M-Instruct (offline)")
+    fp32, tokenizer = smollm2.load(progress)
+    eval_ids = _tokens(tokenizer, EVAL_TEXT, eval_tokens, "evaluation")
+    calib_ids = _tokens(tokenizer, CALIBRATION_TEXT, calibration_tokens, "calibration")
+
+    progress.step("W8A8 round-to-nearest")
+    models: Dict[str, torch.nn.Module] = {FP32: fp32}
+    models[RTN] = w8a8_cpu.nn.quantize_model(copy.deepcopy(fp32), skip=KEEP_FLOAT)
+    progress.step(f"SmoothQuant calibration ({calibration_tokens} tokens)")
+    smoothed = copy.deepcopy(fp32)
+    smooth_report = smooth_quant(smoothed, calib_ids.unsqueeze(0), alpha=SMOOTHQUANT_ALPHA)
+    models[SQ] = w8a8_cpu.nn.quantize_model(smoothed, skip=KEEP_FLOAT)
+    progress.step("torch.ao dynamic int8")
+    try:
+        models[AO] = ao_dynamic(copy.deepcopy(fp32), skip=KEEP_FLOAT)
+    except Exception as e:  # not every torch build ships a quantized engine
+        progress.note(f"torch.ao dynamic quantization unavailable: {e}")
+
+    progress.step(f"perplexity, {n_windows} windows x {len(models)} models")
+    accuracy = evaluate.compare_on_text(models, FP32, eval_ids, window, stride,
+                                        on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
+
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
+                                         tokenize=False)
+    prompt_ids = torch.tensor(tokenizer(chat, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    progress.step(f"greedy generation, {new_tokens} tokens each")
+    generated = {name: evaluate.greedy(model, prompt_ids, new_tokens) for name, model in models.items()}
+    reference_tokens = generated[FP32]["tokens"]
+
+    result = {
+        "model": smollm2.MODEL_NAME,
+        "variant": w8a8_cpu.info()["selected_variant"],
+        "threads": torch.get_num_threads(),
+        "evaluation_text": str(EVAL_TEXT), "calibration_text": str(CALIBRATION_TEXT),
+        "eval_tokens": eval_tokens, "window": window, "stride": stride,
+        "calibration_tokens": calibration_tokens, "smoothquant_alpha": SMOOTHQUANT_ALPHA,
+        "smoothquant": {"inputs": len(smooth_report.inputs), "seconds": smooth_report.total_seconds,
+                        "logit_drift": smooth_report.logit_drift,
+                        "worst_outlier_before": max(i.outlier_before for i in smooth_report.inputs),
+                        "worst_outlier_after": max(i.outlier_after for i in smooth_report.inputs)},
+        "chat_prompt": CHAT_PROMPT, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
+        "models": {},
+    }
+    for name, model in models.items():
+        tokens = generated[name]["tokens"]
+        result["models"][name] = {
+            **accuracy[name],
+            "greedy_equal_prefix": evaluate.agreeing_prefix(tokens, reference_tokens),
+            "greedy_text": tokenizer.decode(tokens, skip_special_tokens=True),
+            "weight_bytes": evaluate.weight_bytes(model),
+            "decode_tokens_per_s": generated[name]["tokens_per_s"],
+        }
+    if bench:
+        progress.step(f"prefill timing, {prefill_tokens} tokens")
+        prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
+            eval_ids.repeat(prefill_tokens // eval_ids.numel() + 1)[:prefill_tokens]
+        for name, seconds in evaluate.prefill_seconds(models, prefill_ids).items():
+            result["models"][name]["prefill_s"] = seconds
+    sq_ppl, fp_ppl = result["models"][SQ]["ppl"], result["models"][FP32]["ppl"]
+    result["ppl_increase_percent"] = 100.0 * (sq_ppl / fp_ppl - 1.0)
+    result["ok"] = result["ppl_increase_percent"] <= PPL_GATE_PERCENT
+    progress.step("done")
+    result["run_seconds"] = time.perf_counter() - progress.t0
+    return result
+
+
+def print_report(result: dict) -> None:
+    mib = 1024 * 1024
+    models = result["models"]
+    fp = models[FP32]
+    print(f"llm: {result['model']}")
+    print(f"  variant {result['variant']}, {result['threads']} threads; linear layers W8A8 except "
+          f"{', '.join(KEEP_FLOAT)} (tied to the token embedding, kept fp32)")
+    print(f"  evaluation   {result['evaluation_text']}: {result['eval_tokens']} tokens, {result['window']}-token "
+          f"windows, stride {result['stride']} ({fp['scored_tokens']} scored)")
+    sq = result["smoothquant"]
+    print(f"  calibration  {result['calibration_text']}: {result['calibration_tokens']} tokens, SmoothQuant "
+          f"alpha {result['smoothquant_alpha']}: {sq['inputs']} inputs smoothed in {sq['seconds']:.1f} s, worst "
+          f"outlier channel (absmax / median) {sq['worst_outlier_before']:.0f}x -> {sq['worst_outlier_after']:.0f}x")
+    header = (f"  {'':<22} {'ppl':>7} {'vs fp32':>8} {'KL':>8} {'top-1':>7} {'greedy':>7} {'weights':>10}"
+              f" {'prefill':>9} {'decode':>10}")
+    print(header)
+    n = result["new_tokens"]
+    for name, m in models.items():
+        delta = "" if name == FP32 else f"{100.0 * (m['ppl'] / fp['ppl'] - 1.0):+7.1f}%"
+        kl = "" if name == FP32 else f"{m['kl']:.4f}"
+        top1 = "" if name == FP32 else f"{100.0 * m['top1_agreement']:6.1f}%"
+        prefill = f"{m['prefill_s']:7.2f} s" if "prefill_s" in m else ""
+        print(f"  {name:<22} {m['ppl']:7.2f} {delta:>8} {kl:>8} {top1:>7} {m['greedy_equal_prefix']:>3}/{n:<3}"
+              f" {m['weight_bytes'] / mib:6.1f} MiB {prefill:>9} {m['decode_tokens_per_s']:6.1f} tok/s")
+    print(f"  (KL: mean KL(fp32 || model) per scored token; top-1: next-token argmax equal to fp32's; greedy: "
+          f"generated tokens equal to fp32's before the first difference; prefill: {result['prefill_tokens']} "
+          f"tokens, median of 3; decode: greedy generation with KV cache, batch 1, prompt included)")
+    print(f"  chat prompt  {result['chat_prompt']!r}")
+    for name in (FP32, SQ):
+        print(f"  {name + ' says':<22} {models[name]['greedy_text'].strip()[:200]!r}")
+    gate = f"W8A8 (SmoothQuant) perplexity {result['ppl_increase_percent']:+.2f}% vs fp32 (gate: <= " \
+           f"+{PPL_GATE_PERCENT}%)"
+    print(f"  run time     {result['run_seconds']:.0f} s")
+    print(f"  result       {'OK' if result['ok'] else 'ACCURACY BELOW THRESHOLD'}: {gate}")

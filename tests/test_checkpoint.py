@@ -1,0 +1,609 @@
+"""W8A8 checkpoints: save_compressed / load_quantized round trips on tiny dense and MoE models, interop with the
+compressed-tensors library and transformers in both directions, sglang's w8a8_int8 layout, refusal of schemes the
+kernels cannot run exactly, and validation of malformed (untrusted) checkpoint files."""
+import copy
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import w8a8_cpu
+from w8a8_cpu.nn import W8A8Experts, W8A8Linear, quantize_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built from configs; nothing may be downloaded
+transformers = pytest.importorskip("transformers")  # brings safetensors
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from w8a8_cpu.llm.checkpoint import INDEX_FILE, SINGLE_FILE, load_quantized, save_compressed  # noqa: E402
+
+SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]  # the usual LLM choice: lm_head and MoE routers stay float
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96)
+CONFIGS = {
+    "llama-tied": lambda: transformers.LlamaConfig(intermediate_size=96, tie_word_embeddings=True, **COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(intermediate_size=96, tie_word_embeddings=False, **COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                                  **COMMON),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, shared_expert_intermediate_size=96, **MOE,
+                                                     **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, head_dim=16, **MOE, **COMMON),
+}
+MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+SHARD_BYTES = 24_000  # splits every tiny model into several shards
+Q_PROJ = "model.layers.0.self_attn.q_proj"
+
+
+def float_model(arch, dtype=torch.float32):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=dtype).eval()
+
+
+def logits(model):
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def stored(directory):
+    """All tensors of a checkpoint directory, single-file or sharded."""
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def dequantized(model):
+    """Float weights int8 * scale of every W8A8 layer, by module name (experts fused as in transformers 5)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8Linear):
+            out[f"{name}.weight"] = module.int8_weight().float() * module.w_scale[:, None]
+        elif isinstance(module, W8A8Experts):
+            w13, w2 = module.int8_weights()
+            out[f"{name}.gate_up_proj"] = w13.float() * module.w13_scale[..., None]
+            out[f"{name}.down_proj"] = w2.float() * module.w2_scale[..., None]
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    """Quantized models by arch, built once per module (tests must not modify them)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = quantize_model(float_model(arch), skip=SKIP)
+        return cache[arch]
+    return get
+
+
+# ---- round trips -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shard_bytes", [None, SHARD_BYTES], ids=["single", "sharded"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_round_trip_logits_bit_identical(arch, shard_bytes, quantized, tmp_path):
+    model = quantized(arch)
+    save_compressed(model, tmp_path, max_shard_bytes=shard_bytes)
+    assert (tmp_path / INDEX_FILE).exists() == (shard_bytes is not None)
+    assert (tmp_path / SINGLE_FILE).exists() == (shard_bytes is None)
+    loaded = load_quantized(tmp_path)
+    assert torch.equal(logits(loaded), logits(model))
+    assert type(loaded) is type(model)
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in stored(tmp_path)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    else:
+        assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_float_experts_round_trip(tmp_path):
+    """Experts left float by quantize_model are stored per expert in float and stacked back on load."""
+    model = quantize_model(float_model("qwen3_moe"), skip=SKIP + ["*.experts"])
+    save_compressed(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.experts.3.down_proj" in qc["ignore"]
+    loaded = load_quantized(tmp_path)
+    assert not any(isinstance(m, W8A8Experts) for m in loaded.modules())
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_bfloat16_model_round_trip(tmp_path):
+    # built in bfloat16 as from_pretrained would: model.to(bfloat16) would also round the rotary inv_freq buffer
+    model = quantize_model(float_model("qwen2", torch.bfloat16), skip=SKIP)
+    save_compressed(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = load_quantized(tmp_path)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(logits(loaded), logits(model))
+    assert load_quantized(tmp_path, dtype=torch.float32).model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_written_config_and_layout(quantized, tmp_path):
+    save_compressed(quantized("mixtral"), tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["format"], qc["quantization_status"]) == \
+        ("compressed-tensors", "int-quantized", "compressed")
+    group = qc["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    assert {k: group["weights"][k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == \
+        {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    assert {k: group["input_activations"][k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == \
+        {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    assert set(qc["ignore"]) == {"lm_head", "model.layers.0.block_sparse_moe.gate",
+                                 "model.layers.1.block_sparse_moe.gate"}
+    with safe_open(str(tmp_path / SINGLE_FILE), "pt") as f:
+        assert f.get_slice("model.layers.1.block_sparse_moe.experts.3.w3.weight").get_dtype() == "I8"
+        scale = f.get_slice("model.layers.1.block_sparse_moe.experts.3.w3.weight_scale")
+        assert (scale.get_dtype(), scale.get_shape()) == ("F32", [48, 1])
+        assert f.get_slice("model.layers.1.block_sparse_moe.gate.weight").get_dtype() == "F32"
+    assert (tmp_path / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_tensor_names_match_transformers_save_pretrained(arch, quantized, tmp_path):
+    """Our names are those transformers 5 itself writes for the float model (per-expert MoE names included)."""
+    float_model(arch).save_pretrained(tmp_path / "float")
+    save_compressed(quantized(arch), tmp_path / "w8a8")
+    ours = {k for k in stored(tmp_path / "w8a8") if not k.endswith(".weight_scale")}
+    assert ours == set(stored(tmp_path / "float"))
+
+
+def test_resave_of_a_loaded_model_replaces_previous_shards(quantized, tmp_path):
+    save_compressed(quantized("qwen2_moe"), tmp_path / "first")
+    loaded = load_quantized(tmp_path / "first")
+    save_compressed(loaded, tmp_path / "second", max_shard_bytes=SHARD_BYTES)
+    save_compressed(loaded, tmp_path / "second")
+    assert sorted(p.name for p in (tmp_path / "second").iterdir() if "safetensors" in p.name) == [SINGLE_FILE]
+    first, second = stored(tmp_path / "first"), stored(tmp_path / "second")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+# ---- no float weights of quantized layers on load --------------------------------------------------------------
+
+class _FloatTensorSpy(TorchDispatchMode):
+    """Records the shape of every real (non-meta) floating-point tensor any torch op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta:
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def test_load_never_creates_float_weights_of_quantized_layers(quantized, tmp_path):
+    model = quantized("qwen2_moe")
+    save_compressed(model, tmp_path)
+    quantized_shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, W8A8Linear)}
+    for m in model.modules():
+        if isinstance(m, W8A8Experts):
+            e, h, i = m.num_experts, m.hidden_dim, m.intermediate_dim
+            quantized_shapes |= {(e, 2 * i, h), (e, h, i), (i, h), (h, i), (2 * i, h)}
+    float_shapes = {tuple(p.shape) for p in model.parameters()}
+    assert not quantized_shapes & float_shapes  # the spy below could not tell them apart
+    with _FloatTensorSpy() as spy:
+        loaded = load_quantized(tmp_path)
+    assert (COMMON["vocab_size"], COMMON["hidden_size"]) in spy.shapes  # it does see the float tensors loaded
+    assert not spy.shapes & quantized_shapes
+    float_bytes = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert float_bytes == sum(p.numel() * p.element_size() for p in model.parameters())  # embeddings, norms, routers
+
+
+# ---- compressed-tensors / transformers read our checkpoints ----------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")  # only `dequantize` is taken
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen2"])
+def test_transformers_compressed_tensors_dequantizes_ours(arch, quantized, tmp_path):
+    """transformers' compressed-tensors integration reads our config and decompresses int8 * scale exactly."""
+    pytest.importorskip("compressed_tensors")
+    model = quantized(arch)
+    save_compressed(model, tmp_path)
+    ct = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    weights = ct.state_dict()
+    for name, want in dequantized(model).items():
+        assert torch.equal(weights[name], want), name
+    assert torch.isfinite(logits(ct)).all()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_compressed_tensors_converter_dequantizes_our_moe(arch, quantized, tmp_path):
+    """transformers 5.24's compressed-tensors loader dequantizes only packed (int4) and fp8 MoE experts, so MoE
+    checkpoints are read back with compressed-tensors' own file-level dequantizer, then loaded by transformers."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.entrypoints.convert.convert_checkpoint import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    model = quantized(arch)
+    save_compressed(model, tmp_path / "w8a8", max_shard_bytes=SHARD_BYTES)
+    # Its file-level matcher takes target "Linear" as every `*.weight`; embeddings and norms must be named
+    dequantizer = CompressedTensorsDequantizer(tmp_path / "w8a8", ignore=["model.embed_tokens", "re:.*norm$"],
+                                               dtype=torch.float32)
+    convert_checkpoint(tmp_path / "w8a8", tmp_path / "float", dequantizer, device="cpu", max_workers=1)
+    assert not any(k.endswith("_scale") for k in stored(tmp_path / "float"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float")
+    weights = reloaded.state_dict()
+    for name, want in dequantized(model).items():
+        assert torch.equal(weights[name], want), name
+    assert torch.isfinite(logits(reloaded)).all()
+
+
+# ---- checkpoints written by others load with ours --------------------------------------------------------------
+
+def compressed_tensors_checkpoint(model, directory, strategy):
+    """Quantize `model` with compressed-tensors (int8 `strategy` weights, int8 dynamic per-token activations,
+    lm_head ignored), set absmax weight scales as a calibration would, and let compressed-tensors compress and
+    save it. Returns the model (now decompressing itself on its first forward)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy=strategy, dynamic=False),
+        input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            weight = module.weight.detach()
+            scale = w8a8_cpu.quantize_weight(weight)[1] if strategy == "channel" else weight.abs().amax() / 127
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return model
+
+
+def test_compressed_tensors_written_channel_checkpoint_loads_bit_identical(tmp_path):
+    """Same scales as quantize_weight, so the int8 weights agree too (compressed-tensors rounds w / scale, ours
+    w * (127 / amax): a one-step difference is possible at exact ties, about 1 weight in 10^6, none here) and the
+    logits are bit-identical to our own quantize_model of the same float model."""
+    pytest.importorskip("compressed_tensors")
+    ours = quantize_model(float_model("qwen2"), skip=["lm_head"])
+    compressed_tensors_checkpoint(float_model("qwen2"), tmp_path, "channel")
+    loaded = load_quantized(tmp_path)
+    for name, module in ours.named_modules():
+        if isinstance(module, W8A8Linear):
+            assert torch.equal(loaded.get_submodule(name).int8_weight(), module.int8_weight()), name
+    assert torch.equal(logits(loaded), logits(ours))
+
+
+def test_compressed_tensors_written_tensor_strategy_checkpoint_loads(tmp_path):
+    """One scale per weight, broadcast exactly to every channel. compressed-tensors' own forward fake-quantizes
+    activations with scale amax / 127.5 (its symmetric range is [-128, 127]) rather than vLLM's amax / 127, so the
+    logits are compared to it with a tolerance; the weights are compared exactly."""
+    pytest.importorskip("compressed_tensors")
+    ct_model = compressed_tensors_checkpoint(float_model("llama-tied"), tmp_path, "tensor")
+    files = stored(tmp_path)
+    loaded = load_quantized(tmp_path)
+    q_proj = loaded.model.layers[0].self_attn.q_proj
+    assert torch.equal(q_proj.int8_weight(), files["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(q_proj.w_scale, files["model.layers.0.self_attn.q_proj.weight_scale"].expand(64))
+    got, want = logits(loaded), logits(ct_model)
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def sglang_checkpoint(model, directory):
+    """sglang's w8a8_int8 layout written directly: int8 `weight` and fp32 `weight_scale` [N, 1] per W8A8Linear,
+    everything else float as state_dict has it."""
+    tensors = {}
+    for key, value in model.state_dict().items():
+        owner = key.rpartition(".")[0]
+        module = model.get_submodule(owner)
+        if not isinstance(module, W8A8Linear):
+            tensors[key] = value.contiguous()
+        elif key.endswith(".w_scale"):
+            tensors[f"{owner}.weight"] = module.int8_weight()
+            tensors[f"{owner}.weight_scale"] = module.w_scale.reshape(-1, 1).clone()
+        elif key.endswith(".bias"):
+            tensors[key] = value.clone()
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, SINGLE_FILE), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "w8a8_int8"}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_sglang_w8a8_int8_checkpoint_loads(tmp_path):
+    """A layer stored float (here one down_proj, and lm_head) stays float; the rest runs W8A8, bit-identical."""
+    model = quantize_model(float_model("qwen2"), skip=["lm_head", "model.layers.1.mlp.down_proj"])
+    sglang_checkpoint(model, tmp_path)
+    loaded = load_quantized(tmp_path)
+    assert type(loaded.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, W8A8Linear)
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_sglang_experts_partly_float_are_refused(quantized, tmp_path):
+    save_compressed(quantized("qwen3_moe"), tmp_path)
+    edit_config(tmp_path, lambda qc: {"quant_method": "w8a8_int8"})
+    edit_tensors(tmp_path, lambda t: (t.pop("model.layers.0.mlp.experts.1.up_proj.weight_scale"),
+                                      t.update({"model.layers.0.mlp.experts.1.up_proj.weight": torch.zeros(48, 64)})))
+    with pytest.raises(ValueError, match=r"experts of model\.layers\.0\.mlp\.experts are partly int8"):
+        load_quantized(tmp_path)
+
+
+# ---- refusals: schemes the kernels cannot run exactly ----------------------------------------------------------
+
+def edit_config(directory, change):
+    """Rewrite config.json's quantization_config as change(qc) returns it (or as change edits it in place)."""
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    new = change(config["quantization_config"])
+    config["quantization_config"] = config["quantization_config"] if new is None else new
+    with open(path, "w") as f:
+        json.dump(config, f)
+
+
+def edit_tensors(directory, change):
+    path = os.path.join(directory, SINGLE_FILE)
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def saved_llama(quantized, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save_compressed(quantized("llama-tied"), directory)
+    return directory
+
+
+@pytest.fixture
+def checkpoint(saved_llama, tmp_path):
+    """A private copy of the saved tied Llama checkpoint, to corrupt."""
+    return shutil.copytree(saved_llama, tmp_path / "ckpt")
+
+
+def group_field(path, value):
+    """A change setting config_groups.group_0.<path> (dotted) to value."""
+    def change(qc):
+        section = qc["config_groups"]["group_0"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            section = section[p]
+        section[leaf] = value
+    return change
+
+
+def top_field(field, value):
+    return lambda qc: qc.update({field: value})
+
+
+def top_level_format(value):
+    """The format given at the top level only (the group has none), as older compressed-tensors wrote it."""
+    def change(qc):
+        qc["config_groups"]["group_0"].pop("format")
+        qc["format"] = value
+    return change
+
+
+REFUSED = [
+    ("asymmetric weights", group_field("weights.symmetric", False), "weights.symmetric"),
+    ("asymmetric activations", group_field("input_activations.symmetric", False), "input_activations.symmetric"),
+    ("static activations", group_field("input_activations.dynamic", False), "input_activations.dynamic"),
+    ("per-tensor activations", group_field("input_activations.strategy", "tensor"), "input_activations.strategy"),
+    ("group weights", group_field("weights.strategy", "group"), "weights.strategy"),
+    ("group size", group_field("weights.group_size", 128), "weights.group_size"),
+    ("block weights", group_field("weights.block_structure", [128, 128]), "weights.block_structure"),
+    ("4-bit weights", group_field("weights.num_bits", 4), "weights.num_bits"),
+    ("fp8 weights", group_field("weights.type", "float"), "weights.type"),
+    ("fp8 activations", group_field("input_activations.type", "float"), "input_activations.type"),
+    ("dynamic weights", group_field("weights.dynamic", True), "weights.dynamic"),
+    ("weight-only", group_field("input_activations", None), "input_activations"),
+    ("output activations", group_field("output_activations", {"num_bits": 8}), "output_activations"),
+    ("actorder group", group_field("weights.actorder", "group"), "weights.actorder"),
+    ("unknown scheme field", group_field("weights.zero_point_mode", "x"), "'zero_point_mode'"),
+    ("pack-quantized", group_field("format", "pack-quantized"), "format"),
+    ("float-quantized", group_field("format", "float-quantized"), "format"),
+    ("top-level pack-quantized", top_level_format("pack-quantized"), "format"),
+    ("preset group", lambda qc: qc.update(config_groups={"W8A8": ["Linear"]}), "preset"),
+    ("frozen status", top_field("quantization_status", "frozen"), "quantization_status"),
+    ("kv cache", top_field("kv_cache_scheme", {"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+    ("sparsity", top_field("sparsity_config", {"format": "sparse-24-bitmask"}), "sparsity_config"),
+    ("transforms", top_field("transform_config", {"config_groups": {}}), "transform_config"),
+    ("unknown top field", top_field("mystery", 1), "'mystery'"),
+    ("bad ignore regex", top_field("ignore", ["re:("]), "ignore"),
+    ("gptq", lambda qc: {"quant_method": "gptq", "bits": 4}, "quant_method"),
+    ("fp8 method", lambda qc: {"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method"),
+    ("sglang static", lambda qc: {"quant_method": "w8a8_int8", "activation_scheme": "static"}, "activation_scheme"),
+    ("no quantization", lambda qc: "none", "quantization_config"),
+]
+
+
+@pytest.mark.parametrize("change,field", [pytest.param(c, f, id=i) for i, c, f in REFUSED])
+def test_unsupported_scheme_refused(checkpoint, change, field):
+    edit_config(checkpoint, change)
+    with pytest.raises(ValueError, match=re.escape(field)) as raised:
+        load_quantized(checkpoint)
+    assert "config.json" in str(raised.value)
+
+
+def test_naive_quantized_top_level_format_loads(checkpoint, quantized):
+    """naive-quantized stores the same int8 weights and scales as int-quantized."""
+    edit_config(checkpoint, top_level_format("naive-quantized"))
+    assert torch.equal(logits(load_quantized(checkpoint)), logits(quantized("llama-tied")))
+
+
+def test_regex_targets_and_ignore_are_honoured(tmp_path):
+    """Only the MLPs are targeted (by regex) and layer 1's MLP is ignored (by name and by regex): those layers
+    load float, the rest W8A8, and the logits match the model saved."""
+    model = quantize_model(float_model("llama-tied"), skip=["lm_head", "*.self_attn.*", "model.layers.1.mlp.*"])
+    save_compressed(model, tmp_path)
+
+    def narrow(qc):
+        qc["config_groups"]["group_0"]["targets"] = ["re:.*mlp\\.(gate|up|down)_proj$"]
+        qc["ignore"] = ["model.layers.1.mlp.gate_proj", "re:model\\.layers\\.1\\.mlp\\.(up|down)_proj"]
+    edit_config(tmp_path, narrow)
+    loaded = load_quantized(tmp_path)
+    assert isinstance(loaded.model.layers[0].mlp.up_proj, W8A8Linear)
+    assert type(loaded.model.layers[1].mlp.up_proj) is torch.nn.Linear
+    assert type(loaded.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_stored_int8_layer_outside_targets_refused(checkpoint):
+    edit_config(checkpoint, group_field("targets", ["re:.*mlp\\.(gate|up|down)_proj$"]))
+    with pytest.raises(ValueError, match=re.escape(f"'{Q_PROJ}.weight' is I8 [64, 64]; expected a float tensor")):
+        load_quantized(checkpoint)  # attention is not targeted, so it must be stored float
+
+
+# ---- untrusted files -------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sharded(quantized, tmp_path):
+    save_compressed(quantized("llama-tied"), tmp_path, max_shard_bytes=SHARD_BYTES)
+    return tmp_path
+
+
+def edit_index(directory, change):
+    path = os.path.join(directory, INDEX_FILE)
+    with open(path) as f:
+        index = json.load(f)
+    change(index["weight_map"])
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+@pytest.mark.parametrize("file_name", ["../model-00001-of-00006.safetensors", "/etc/passwd.safetensors",
+                                       "sub/model.safetensors", "..", 7])
+def test_index_path_outside_directory_refused(sharded, file_name):
+    edit_index(sharded, lambda m: m.update({"model.norm.weight": file_name}))
+    with pytest.raises(ValueError, match=r"index\.json: weight_map\['model\.norm\.weight'\] is .*plain name"):
+        load_quantized(sharded)
+
+
+def test_missing_shard_refused(sharded):
+    shard = sorted(p for p in sharded.iterdir() if p.name.startswith("model-"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=re.escape(f"names '{shard.name}', which does not exist")):
+        load_quantized(sharded)
+
+
+def test_malformed_index_refused(sharded):
+    (sharded / INDEX_FILE).write_text('{"weight_map": ["model-00001-of-00006.safetensors"]}')
+    with pytest.raises(ValueError, match=re.escape(f"{INDEX_FILE}: weight_map is missing or not a non-empty object")):
+        load_quantized(sharded)
+
+
+def test_index_and_single_file_together_refused(sharded):
+    shutil.copy(sorted(sharded.glob("model-*.safetensors"))[0], sharded / SINGLE_FILE)
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_quantized(sharded)
+
+
+def test_index_listing_absent_tensor_refused(sharded):
+    def move_norm(weight_map):  # to a shard that does not hold it
+        weight_map["model.norm.weight"] = min(set(weight_map.values()) - {weight_map["model.norm.weight"]})
+    edit_index(sharded, move_norm)
+    with pytest.raises(ValueError, match=r"lists tensors that .* does not hold: 'model\.norm\.weight'"):
+        load_quantized(sharded)
+
+
+CORRUPTIONS = [
+    ("float weight", lambda t: t.update({f"{Q_PROJ}.weight": torch.zeros(64, 64)}),
+     f"'{Q_PROJ}.weight' is F32 [64, 64]; expected an int8 weight"),
+    ("wrong weight shape", lambda t: t.update({f"{Q_PROJ}.weight": torch.zeros(64, 63, dtype=torch.int8)}),
+     f"'{Q_PROJ}.weight' is I8 [64, 63]; expected an int8 weight"),
+    ("int scale", lambda t: t.update({f"{Q_PROJ}.weight_scale": torch.ones(64, 1, dtype=torch.int32)}),
+     f"'{Q_PROJ}.weight_scale' is I32 [64, 1]; expected channel weight scales: F16 or BF16 or F32 or F64 "
+     f"[64, 1] or [64]"),
+    ("fp8 scale dtype", lambda t: t.update({f"{Q_PROJ}.weight_scale": torch.ones(64, 1).to(torch.float8_e4m3fn)}),
+     f"'{Q_PROJ}.weight_scale' is F8_E4M3"),
+    ("wrong scale count", lambda t: t.update({f"{Q_PROJ}.weight_scale": torch.ones(63, 1)}),
+     f"'{Q_PROJ}.weight_scale' is F32 [63, 1]; expected channel weight scales"),
+    ("nan scale", lambda t: t[f"{Q_PROJ}.weight_scale"].__setitem__(3, float("nan")), "not finite and > 0"),
+    ("zero scale", lambda t: t[f"{Q_PROJ}.weight_scale"].__setitem__(3, 0.0), "not finite and > 0"),
+    ("negative scale", lambda t: t[f"{Q_PROJ}.weight_scale"].__setitem__(3, -1.0), "not finite and > 0"),
+    ("missing scale", lambda t: t.pop(f"{Q_PROJ}.weight_scale"), f"'{Q_PROJ}.weight_scale' (channel weight scales) "
+                                                                   f"is missing"),
+    ("missing norm", lambda t: t.pop("model.norm.weight"), "'model.norm.weight' (a float tensor) is missing"),
+    ("wrong norm shape", lambda t: t.update({"model.norm.weight": torch.ones(65)}), "'model.norm.weight' is F32 [65]"),
+    ("int embedding", lambda t: t.update({"model.embed_tokens.weight": torch.ones(256, 64, dtype=torch.int8)}),
+     "'model.embed_tokens.weight' is I8 [256, 64]; expected a float tensor"),
+    ("unexpected tensor", lambda t: t.update({f"{Q_PROJ}.input_scale": torch.ones(1)}),
+     f"belong to no part of the llama model: '{Q_PROJ}.input_scale'"),
+    ("untied lm_head stored", lambda t: t.update({"lm_head.weight": torch.ones(256, 64)}),
+     "belong to no part of the llama model: 'lm_head.weight'"),
+]
+
+
+@pytest.mark.parametrize("change,message", [pytest.param(c, m, id=i) for i, c, m in CORRUPTIONS])
+def test_malformed_tensor_refused(checkpoint, change, message):
+    edit_tensors(checkpoint, change)
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        load_quantized(checkpoint)
+    assert str(checkpoint) in str(raised.value)
+
+
+def test_echoed_names_are_truncated(checkpoint):
+    edit_tensors(checkpoint, lambda t: t.update({"x" * 10_000: torch.ones(1)}))
+    with pytest.raises(ValueError, match="belong to no part") as raised:
+        load_quantized(checkpoint)
+    assert len(str(raised.value)) < 500
+
+
+@pytest.mark.parametrize("text,message", [("[1, 2]", "expected a JSON object, got list"),
+                                          ("{", "cannot be read as JSON"),
+                                          ("{}", "quantization_config is None")])
+def test_malformed_config_refused(checkpoint, text, message):
+    (checkpoint / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(message)) as raised:
+        load_quantized(checkpoint)
+    assert "config.json" in str(raised.value)
+
+
+def test_unknown_model_type_refused(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "nonsense"}))
+    with pytest.raises(ValueError, match="config.json: model_type is 'nonsense'"):
+        load_quantized(checkpoint)
+
+
+def test_not_a_safetensors_file_refused(checkpoint):
+    (checkpoint / SINGLE_FILE).write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):
+        load_quantized(checkpoint)
+
+
+def test_missing_weights_refused(checkpoint):
+    (checkpoint / SINGLE_FILE).unlink()
+    with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+        load_quantized(checkpoint)
+
+
+# ---- save refusals ---------------------------------------------------------------------------------------------
+
+def test_save_refuses_quantized_tied_lm_head(tmp_path):
+    model = quantize_model(float_model("llama-tied"), skip=["*.gate"])
+    with pytest.raises(ValueError, match="ties lm_head.weight to model.embed_tokens.weight, but the model holds"):
+        save_compressed(model, tmp_path)
+    model.config.tie_word_embeddings = False  # the way out the message names
+    save_compressed(model, tmp_path)
+    assert torch.equal(logits(load_quantized(tmp_path)), logits(model))
+
+
+def test_save_refuses_bad_shard_size(quantized, tmp_path):
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        save_compressed(quantized("qwen2"), tmp_path, max_shard_bytes=0)
+
+
+def test_save_refuses_unknown_moe_naming(tmp_path):
+    model = quantize_model(float_model("qwen3_moe"), skip=SKIP)
+    model.config = copy.deepcopy(model.config)
+    model.config.model_type = "olmoe"  # fused experts whose per-expert names this module does not know
+    with pytest.raises(ValueError, match="per-expert checkpoint naming of model_type 'olmoe' is unknown"):
+        save_compressed(model, tmp_path)

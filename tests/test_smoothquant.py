@@ -1,0 +1,169 @@
+"""SmoothQuant: the smoothed float model computes the same function, and its W8A8 model is closer to fp32."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from w8a8_cpu.llm.smoothquant import MAPPINGS, smooth_quant  # noqa: E402
+from w8a8_cpu.nn import quantize_model  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+ARCHITECTURES = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases: v_proj's bias is divided by the o_proj scale too
+    "qwen3": dict(head_dim=16),  # q_norm / k_norm act after q/k_proj
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(MOE, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(MOE, head_dim=16, mlp_only_layers=[1]),  # one MoE and one dense layer
+}
+LLM_SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]
+# The smoothed weights differ from the originals by one fp32 rounding each (relative 6e-8); through two layers,
+# softmax and norms the logits then move by about 1e-6 of their largest value, so 1e-5 leaves a margin of ~4x
+# while any mis-folded channel (a factor s of 0.01..100) would show as an O(1) change.
+FP32_TOLERANCE = 1e-5
+
+
+def tiny_model(model_type):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **TINY, **ARCHITECTURES[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # outliers like trained LLMs have: a few norm channels, a few up_proj outputs
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param[[3, 17, 40]] *= 50
+            elif name.endswith("up_proj.weight"):
+                param[[5, 9]] *= 20
+            elif name.endswith("experts.gate_up_proj"):
+                param[:, param.shape[1] // 2 + 5] *= 20
+    return model
+
+
+def token_ids(seed, batch=2, length=32):
+    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def relative_max_change(got, want):
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def w8a8_error(model, ids, reference):
+    quantized = quantize_model(copy.deepcopy(model), skip=LLM_SKIP)
+    return ((logits(quantized, ids) - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_smoothing_keeps_the_float_function_and_helps_w8a8(model_type):
+    model = tiny_model(model_type)
+    ids = token_ids(seed=2)
+    reference = logits(model, ids)
+    smoothed = copy.deepcopy(model)
+    report = smooth_quant(smoothed, token_ids(seed=1, batch=4), alpha=0.5)
+
+    change = relative_max_change(logits(smoothed, ids), reference)
+    assert change < FP32_TOLERANCE and report.logit_drift < FP32_TOLERANCE, (change, report.logit_drift)
+    assert report.tokens == 128 and {entry.layer for entry in report.inputs} == {0, 1}
+    assert all(entry.outlier_after < entry.outlier_before for entry in report.inputs), str(report)
+    assert "input_layernorm" in str(report)
+    plain, with_smoothing = w8a8_error(model, ids, reference), w8a8_error(smoothed, ids, reference)
+    print(f"{model_type}: smoothed fp32 logits change {change:.1e}; W8A8 logits relative error "
+          f"{plain:.4f} without smoothing, {with_smoothing:.4f} with")
+    assert with_smoothing < 0.75 * plain
+
+
+def test_batches_iterable_equals_one_tensor():
+    calibration = token_ids(seed=1, batch=4)
+    whole, split = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    smooth_quant(whole, calibration)
+    report = smooth_quant(split, iter([calibration[:1], calibration[1:]]))
+    assert report.tokens == calibration.numel()
+    # The same running maxima; only the float GEMMs round differently for other batch shapes.
+    for (name, got), want in zip(split.state_dict().items(), whole.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda detail: f"{name}: {detail}")
+
+
+def test_unknown_architecture_lists_the_supported_ones():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="'gpt2'.*" + ", ".join(sorted(MAPPINGS))):
+        smooth_quant(model, token_ids(seed=1) % 64)
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)  # a bias too: divided by s with the weight
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList([ToyBlock(), ToyBlock()])
+        with torch.no_grad():
+            for block in self.layers:
+                block.norm.weight[[2, 7]] *= 30
+                block.up.weight[[4]] *= 30
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.layers:
+            x = block(x)
+        return x
+
+
+def test_explicit_mappings_on_a_toy_model():
+    model, ids = Toy(), token_ids(seed=2) % 64
+    reference = model(ids).detach()
+    report = smooth_quant(model, token_ids(seed=1) % 64, alpha=0.6, mappings=[("norm", ["up"]), ("up", ["down"])])
+    assert relative_max_change(model(ids).detach(), reference) < FP32_TOLERANCE
+    assert [(entry.layer, entry.producer) for entry in report.inputs] == [(0, "norm"), (0, "up"), (1, "norm"),
+                                                                         (1, "up")]
+    assert all(entry.outlier_before > 10 > entry.outlier_after for entry in report.inputs), str(report)
+
+
+@pytest.mark.parametrize("mappings, message", [
+    ([("norm", ["up"]), ("norm", ["upp"])], "match no decoder layer.*upp"),
+    ([("norm", ["up"]), ("norm", ["down"])], "two pairs apply to producer norm"),
+    ([("norm", ["down"])], "norm makes 16 channels but \\['down'\\] read 32"),
+    ([("up", ["up", "down"])], "read different numbers of input channels"),
+    ([("up", ["norm"])], "consumer layer 0 norm \\(LayerNorm\\) is not a Linear"),
+    ([("act", ["up"])], "producer layer 0 act \\(ReLU\\) is not a norm"),
+])
+def test_bad_mappings(mappings, message):
+    model = Toy()
+    model.layers[0].act = torch.nn.ReLU()  # a module without weights: nothing to divide by s
+    with pytest.raises(ValueError, match=message):
+        smooth_quant(model, token_ids(seed=1) % 64, mappings=mappings)
+
+
+@pytest.mark.parametrize("alpha, calibration, message", [
+    (-0.1, token_ids(seed=1), "alpha"),
+    (1.5, token_ids(seed=1), "alpha"),
+    (0.5, [], "calibration: no batches"),
+    (0.5, torch.empty(0, 8, dtype=torch.long), "calibration"),
+    (0.5, torch.zeros(2, 8), "calibration"),
+    (0.5, token_ids(seed=1)[0], "calibration"),
+])
+def test_bad_arguments(alpha, calibration, message):
+    model = Toy()
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=message):
+        smooth_quant(model, calibration, alpha=alpha, mappings=[("norm", ["up"])])
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())

@@ -79,7 +79,7 @@ def test_smoothquant_w8a8_is_closer_to_fp32_than_rtn(smollm, smoothed):
               "sq": w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT)}
     r = evaluate.compare_on_text(models, "fp32", eval_ids, window=512, stride=512)
     fp, rtn, sq = r["fp32"]["ppl"], r["rtn"]["ppl"], r["sq"]["ppl"]
-    assert r["sq"]["scored_tokens"] == 2047
+    assert r["sq"]["scored_tokens"] == 2044  # 4 windows of 512, each scoring all but its first token
     assert 5 < fp < 60, fp  # an English-trained model on English text
     assert sq < rtn and r["sq"]["kl"] < 0.7 * r["rtn"]["kl"], r
     assert sq / fp - 1 < job.PPL_GATE_PERCENT / 100 + 0.01, r
@@ -154,3 +154,18 @@ def test_main_job_exits_nonzero_below_the_gate(monkeypatch, capsys):
     assert cli.main(["llm", "--no-bench"]) == 1
     captured = capsys.readouterr()
     assert "ACCURACY BELOW THRESHOLD" in captured.out and "llm FAILED" in captured.err
+
+
+@pytest.mark.parametrize("n,window,stride", [(4096, 512, 256), (2048, 512, 512), (300, 512, 256), (1000, 64, 7)])
+def test_perplexity_windows_score_each_token_at_most_once_with_context(n, window, stride):
+    from w8a8_cpu.llm import evaluate
+
+    spans = evaluate.windows(n, window, stride)
+    scored = [t for begin, end, first in spans for t in range(first, end)]
+    assert len(scored) == len(set(scored)) and spans[-1][1] == n
+    assert all(begin < first <= end <= begin + window for begin, end, first in spans)
+    if stride < window:
+        assert scored == list(range(1, n))  # every token but the text's first
+        assert all(first - begin >= window - stride for begin, _, first in spans[1:])
+    with pytest.raises(ValueError, match="stride"):
+        evaluate.windows(n, window, window + 1)

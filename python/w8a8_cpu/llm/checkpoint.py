@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights
+from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights, is_silu
 
 PathLike = Union[str, Path]
 
@@ -511,12 +511,6 @@ class _StoredTensors:
 
 # ---- load ------------------------------------------------------------------------------------------------------
 
-def _is_silu(act: torch.nn.Module) -> bool:
-    probe = torch.linspace(-8.0, 8.0, 33)
-    with torch.no_grad():  # by behaviour: transformers wraps SiLU in classes of its own
-        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
-
-
 class _Loader:
     """Fills a model built on the meta device from the checkpoint, layer by layer."""
 
@@ -562,7 +556,7 @@ class _Loader:
             module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
             module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
             return
-        if not _is_silu(module.act_fn):
+        if not is_silu(module.act_fn):
             raise ValueError(f"model: {name} uses activation {type(module.act_fn).__name__}; the fused W8A8 experts "
                              f"implement SiLU-gated experts only")
         w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])

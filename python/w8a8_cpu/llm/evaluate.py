@@ -13,8 +13,9 @@ import torch
 
 
 def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
-    """(begin, end, first_scored) of each sliding window: every token after the first is scored exactly once,
-    each with at least window - stride tokens of context once the first window is full."""
+    """(begin, end, first_scored) of each sliding window: each token is scored at most once, with at least
+    window - stride tokens of context once the first window is full; a window's first token has no context in it
+    and is not scored, so with stride < window every token after the text's first is scored."""
     if not 0 < stride <= window or n_tokens < 2:
         raise ValueError(f"window {window}, stride {stride}, tokens {n_tokens}: need 0 < stride <= window and "
                          f">= 2 tokens")
@@ -23,7 +24,7 @@ def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
         end = min(begin + window, n_tokens)
         if end <= scored_to:
             break
-        spans.append((begin, end, scored_to))
+        spans.append((begin, end, max(scored_to, begin + 1)))
         scored_to = end
     return spans
 

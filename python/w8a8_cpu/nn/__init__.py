@@ -124,6 +124,14 @@ def _expert_weights(module: torch.nn.Module):
     return None
 
 
+def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether an activation module computes SiLU, judged by behaviour: transformers wraps SiLU in classes of its
+    own, and the fused experts implement SiLU-gated experts only."""
+    probe = torch.linspace(-8.0, 8.0, 33)
+    with torch.no_grad():
+        return torch.allclose(act(probe), torch.nn.functional.silu(probe))
+
+
 class W8A8Experts(_Fp32Scales):
     """Drop-in for a transformers fused-experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts):
     forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H] through fused_experts.
@@ -156,10 +164,7 @@ class W8A8Experts(_Fp32Scales):
         if weights is None:
             raise ValueError(f"experts: {type(experts).__name__} has no 3-D gate_up_proj / down_proj parameters")
         act = experts.act_fn
-        probe = torch.linspace(-8.0, 8.0, 33)
-        with torch.no_grad():  # by behaviour: transformers wraps SiLU in classes of its own
-            is_silu = torch.allclose(act(probe), torch.nn.functional.silu(probe))
-        if not is_silu:
+        if not is_silu(act):
             raise ValueError(f"experts: {type(experts).__name__} uses activation {type(act).__name__}; the fused "
                              f"W8A8 experts implement SiLU-gated experts only")
         return cls(*W8A8MoE._quantize_experts(weights[0]), *W8A8MoE._quantize_experts(weights[1]))

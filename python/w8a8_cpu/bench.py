@@ -79,12 +79,15 @@ def progress_line(label: str, done: int, total: int) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr, named `name` (a final line only when stderr is not a terminal)."""
+    """A one-line progress bar on stderr, named `name`. When stderr is not a terminal (a log), one line for the first
+    and the last step and at most one per LOG_INTERVAL_S seconds between them."""
+
+    LOG_INTERVAL_S = 10.0
 
     def __init__(self, total: int, enabled: bool = True, name: str = "bench"):
         self.total, self.done, self.enabled, self.name = max(total, 1), 0, enabled, name
         self.tty = sys.stderr.isatty()
-        self.t0 = time.perf_counter()
+        self.t0 = self.logged = time.perf_counter()
 
     def note(self, text: str) -> None:
         """A message on its own line (e.g. a slow first-use step)."""
@@ -96,11 +99,13 @@ class Progress:
         self.done += 1
         if not self.enabled:
             return
-        if not self.tty and self.done not in (1, self.total):
+        now = time.perf_counter()
+        if not self.tty and self.done not in (1, self.total) and now - self.logged < self.LOG_INTERVAL_S:
             return
+        self.logged = now
         width = 28
         filled = width * self.done // self.total
-        elapsed = time.perf_counter() - self.t0
+        elapsed = now - self.t0
         line = f"  {self.name} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
         end = "\n" if self.done >= self.total or not self.tty else ""
         sys.stderr.write(("\r" if self.tty else "") + f"{line:<100}"[:100] + end)

@@ -138,3 +138,79 @@ def test_quantized_model_survives_dtype_cast():
     moe = w8a8_cpu.nn.W8A8MoE.from_float(torch.randn(4, 32, 16) * 0.1, torch.randn(4, 16, 16) * 0.1, top_k=2).half()
     assert moe.w13_scale.dtype == moe.w2_scale.dtype == torch.float32
     assert moe(torch.randn(3, 16).half(), torch.randn(3, 4)).dtype == torch.float16
+
+
+# ---- shared modules and tied parameters in quantize_model --------------------------------------------------------
+
+def test_quantize_model_keeps_a_shared_linear_shared():
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(16, 16)
+    model = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)
+    x = torch.randn(4, 16)
+    expected = model(x)
+    w8a8_cpu.nn.quantize_model(model)
+    assert isinstance(model[0], w8a8_cpu.nn.W8A8Linear) and model[2] is model[0]
+    assert (model(x) - expected).norm() / expected.norm() < 0.03
+
+
+def test_quantize_model_skips_a_shared_linear_skipped_under_any_name():
+    shared = torch.nn.Linear(16, 16)
+    model = w8a8_cpu.nn.quantize_model(torch.nn.Sequential(shared, torch.nn.ReLU(), shared), skip=["2"])
+    assert model[0] is shared and model[2] is shared
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an lm_head sharing one weight, as transformers ties them (tie_word_embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.lm_head = torch.nn.Linear(16, 32, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.embed(ids))
+
+
+def test_quantizing_a_tied_lm_head_unties_it_knowingly():
+    torch.manual_seed(0)
+    model = TiedLM()
+    embedding = model.embed.weight
+    kept = embedding.detach().clone()
+    ids = torch.arange(8)
+    expected = model(ids)
+    with pytest.warns(UserWarning, match=r"lm_head\.weight is tied to embed\.weight; quantizing lm_head unties them"):
+        w8a8_cpu.nn.quantize_model(model)
+    assert isinstance(model.lm_head, w8a8_cpu.nn.W8A8Linear)
+    assert model.embed.weight is embedding and torch.equal(embedding, kept)  # the float embedding is untouched
+    assert (model(ids) - expected).norm() / expected.norm() < 0.03
+    # no float weight to read or to tie back: both fail with the reason instead of silently diverging
+    assert not hasattr(model.lm_head, "weight")
+    with pytest.raises(AttributeError, match="W8A8Linear has no float weight.*skip it in quantize_model"):
+        model.lm_head.weight
+    with pytest.raises(ValueError, match="^weight: W8A8Linear has no float weight"):
+        model.lm_head.weight = model.embed.weight
+
+
+def test_skipped_tied_lm_head_stays_tied(recwarn):
+    model = w8a8_cpu.nn.quantize_model(TiedLM(), skip=["lm_head"])
+    assert model.lm_head.weight is model.embed.weight and not recwarn.list
+
+
+def test_transformers_tied_lm_head_quantized():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                      tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    embedding = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embedding
+    with pytest.warns(UserWarning, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight"):
+        w8a8_cpu.nn.quantize_model(model)
+    assert isinstance(model.get_output_embeddings(), w8a8_cpu.nn.W8A8Linear)
+    assert model.get_input_embeddings().weight is embedding
+    with torch.no_grad():
+        assert model(torch.arange(6)[None]).logits.shape == (1, 6, 64)
+    with pytest.raises(ValueError, match="^weight: W8A8Linear has no float weight"):
+        model.tie_weights()  # transformers would attach the float embedding to the int8 lm_head

@@ -227,3 +227,15 @@ def test_torch_compile_model(gen):
     torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
     x2 = torch.randn(3, 64, generator=gen)  # another M
     torch.testing.assert_close(compiled(x2), model(x2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (17, 33), (64, 1000)])
+def test_unpack_weight_inverts_pack_weight(variant, n, k, gen):
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    blob = w8a8_cpu.pack_weight(w)
+    assert torch.equal(w8a8_cpu.unpack_weight(blob), w)
+    blob[64 + (blob.numel() - 64) // 2] ^= 1  # one body bit: the checksum catches it
+    with pytest.raises(ValueError, match="checksum"):
+        w8a8_cpu.unpack_weight(blob)
+    with pytest.raises(ValueError, match="blob"):
+        w8a8_cpu.unpack_weight(w)

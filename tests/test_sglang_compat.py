@@ -1,5 +1,6 @@
 """w8a8_cpu.compat.sglang: torch.ops.sgl_kernel.* with upstream's schemas, checked the way sglang's own CPU tests
 check them (per-token quant + fp32 matmul reference, per-expert loop MoE reference, bf16 tolerance 1e-2)."""
+import contextlib
 import itertools
 import os
 import subprocess
@@ -224,3 +225,58 @@ def test_fake_kernels_under_torch_compile():
                                               False, INT8_W8A8, torch.rand(4, 64), torch.rand(4, 64), None, None,
                                               None, None, None, None, None, False))]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- inplace under torch.compile, bias dtypes, fake kernels --------------------------------------------------------
+
+@pytest.mark.slow_under_emulation  # inductor needs a host C++ compiler for the target
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_moe_inplace_under_torch_compile_matches_eager(backend):
+    m, n, k, e = 4, 32, 64, 4
+    w1, w2 = rand_int8(e, 2 * n, k), rand_int8(e, k, n)
+    w1_s, w2_s = torch.rand(e, 2 * n) * 1e-2, torch.rand(e, k) * 1e-2
+    w, ids = torch.rand(m, 2), torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], dtype=torch.int32)
+
+    def fn(hidden):
+        hidden = hidden * 2
+        # sglang's inplace=True call: the result is read back from hidden_states, the return value dropped
+        ops.fused_experts_cpu(hidden, w1, w2, w, ids, True, INT8_W8A8, w1_s, w2_s, None, None, None, None, None,
+                              None, None, False)
+        return hidden + 1
+
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    # The compiled-graph caches key an op by name, not schema: a graph cached under the old schema would hide a fix.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)(a)
+    assert torch.equal(compiled, fn(a))
+
+
+def test_int8_gemm_rejects_integer_bias():
+    a, b_q, b_s = torch.randn(2, 64), rand_int8(16, 64), torch.rand(16)
+    a_q, a_s = ops.per_token_quant_int8_cpu(a)
+    for call in (lambda bias: ops.int8_scaled_mm_with_quant(a, b_q, b_s, bias, torch.float32, True),
+                 lambda bias: ops.int8_scaled_mm_cpu(a_q, b_q, a_s, b_s, bias, torch.float32, True)):
+        with pytest.raises(ValueError, match="^bias: expected a floating-point tensor, got torch.int32"):
+            call(torch.ones(16, dtype=torch.int32))
+        call(torch.ones(16, dtype=torch.float64))  # any float bias, as upstream
+
+
+def test_fake_kernels_validate_like_the_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b_q, b_s = torch.randn(2, 64), rand_int8(16, 64), torch.rand(16)
+    packed = ops.convert_weight_packed(b_q)
+    bad = [(lambda: ops.int8_scaled_mm_with_quant(a, packed, b_s, None, torch.float32, False), "is_vnni=True"),
+           (lambda: ops.int8_scaled_mm_with_quant(a[:, :10], b_q, b_s, None, torch.float32, True), "w: K mismatch"),
+           (lambda: ops.int8_scaled_mm_with_quant(a, b_q, b_s, torch.ones(16, dtype=torch.int32), torch.float32,
+                                                  True), "bias: expected a floating-point"),
+           (lambda: ops.per_token_quant_int8_cpu(a[None]), "x: expected a 2-D"),
+           (lambda: ops.fused_experts_cpu(a, rand_int8(4, 64, 64), rand_int8(4, 64, 32), torch.rand(2, 2),
+                                          torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), False, 2,
+                                          torch.rand(4, 64), torch.rand(4, 64), None, None, None, None, None, None,
+                                          None, False), "moe_comp_method")]
+    for call, fragment in bad:
+        for mode in (contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True)):
+            with mode, pytest.raises(ValueError, match=fragment):
+                call()

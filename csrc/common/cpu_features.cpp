@@ -19,16 +19,16 @@ uint64_t xgetbv0() {
 uint64_t probe() {
   uint32_t a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29), sse42 = c & (1u << 20);
   // The OS must save the vector state, or the instructions fault even though cpuid lists them.
   const uint64_t xcr0 = osxsave ? xgetbv0() : 0;
   const bool ymm_os = (xcr0 & 0x6) == 0x6;
   const bool zmm_os = (xcr0 & 0xe6) == 0xe6;
   const bool amx_os = (xcr0 & 0x60000) == 0x60000;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+  uint64_t f = sse42 ? uint64_t{kFeatSse42} : 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
   const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30),
              avx512vl = b & (1u << 31), avx512vnni = c & (1u << 11), amx_int8 = d & (1u << 25);
-  uint64_t f = 0;
   if (ymm_os && avx2 && fma && f16c) f |= kFeatAvx2;
   if ((f & kFeatAvx2) && zmm_os && avx512f && avx512bw && avx512vl && avx512vnni) f |= kFeatAvx512Vnni;
   if (amx_os && amx_int8) f |= kFeatAmxInt8;
@@ -68,7 +68,7 @@ uint64_t cpu_features() {
 
 std::vector<std::string> feature_names(uint64_t features) {
   static const struct { CpuFeature bit; const char* name; } kNames[] = {
-      {kFeatAvx2, "avx2"},   {kFeatAvx512Vnni, "avx512_vnni"}, {kFeatAmxInt8, "amx_int8"},
+      {kFeatSse42, "sse4_2"}, {kFeatAvx2, "avx2"},   {kFeatAvx512Vnni, "avx512_vnni"}, {kFeatAmxInt8, "amx_int8"},
       {kFeatAsimd, "asimd"}, {kFeatDotprod, "dotprod"},         {kFeatI8mm, "i8mm"},
       {kFeatBf16, "bf16"},   {kFeatSve, "sve"},                 {kFeatVsx, "vsx"},
       {kFeatArch31, "arch_3_1"}, {kFeatMma, "mma"}};

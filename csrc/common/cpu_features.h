@@ -7,11 +7,12 @@
 
 namespace w8a8_cpu {
 
-// One bit per feature that some variant needs. Bits of other arches are simply never set.
+// One bit per feature that some variant (or the packed weight checksum) needs. Bits of other arches are never set.
 enum CpuFeature : uint64_t {
   kFeatAvx2 = 1ull << 0,  // with FMA and F16C, and OS-enabled YMM state
   kFeatAvx512Vnni = 1ull << 1,  // AVX512 F/BW/VL/VNNI and OS-enabled ZMM state
   kFeatAmxInt8 = 1ull << 2,
+  kFeatSse42 = 1ull << 3,  // crc32 instruction (CRC-32C of packed weights)
   kFeatAsimd = 1ull << 8,
   kFeatDotprod = 1ull << 9,
   kFeatI8mm = 1ull << 10,

@@ -40,7 +40,8 @@ struct MicroKernel {
   // c[i * nr + j] = sum_k a_i[k] * w[panel col j][k] as exact int32 for i < m (m <= mr).
   // a: m packed rows, a_row_stride bytes apart. panel: one packed weight panel in `layout` (the variant's
   // own layout unless reads_any_layout). col_sums: the panel's per-channel weight sums over k, for
-  // variants that bias A by +128 to use an unsigned x signed instruction. c has layout.nr columns.
+  // variants that bias A by +128 to use an unsigned x signed instruction (an aligned copy of the blob's, which
+  // verify_packed_weight checked against the panel). c has layout.nr columns.
   void (*tile)(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums,
                PanelLayout layout, int64_t k_padded, int32_t* c);
 

@@ -51,12 +51,12 @@ Layout scratch_layout(const MicroKernel& kernel, const MoeProblem& p) {
   l.order = take(pairs * 8);
   l.hq = take(p.tokens * p.hidden);
   l.hs = take(p.tokens * 4);
-  l.a1 = take(pairs * packed_a_stride(kernel, p.w13[0].header->k_padded));
+  l.a1 = take(pairs * packed_a_stride(kernel, p.w13[0].header.k_padded));
   l.s1 = take(pairs * 4);
   l.gate_up = take(pairs * inter2 * 4);
   l.aq = take(pairs * p.intermediate);
   l.s2 = take(pairs * 4);
-  l.a2 = take(pairs * packed_a_stride(kernel, p.w2[0].header->k_padded));
+  l.a2 = take(pairs * packed_a_stride(kernel, p.w2[0].header.k_padded));
   l.down = take(pairs * p.hidden * 4);
   l.total = at;
   return l;
@@ -73,7 +73,7 @@ std::vector<Task> expert_tasks(const MicroKernel& kernel, const std::vector<int6
   std::vector<Task> tasks;
   const int64_t rows_per_block = 8 * kernel.mr;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
-    const int64_t panels = w[e].header->n_padded / w[e].layout.nr;
+    const int64_t panels = w[e].header.n_padded / w[e].layout.nr;
     for (int64_t panel = 0; panel < panels; ++panel)
       for (int64_t r = offsets[e]; r < offsets[e + 1]; r += rows_per_block)
         tasks.push_back({e, r, std::min(offsets[e + 1], r + rows_per_block), panel});
@@ -135,11 +135,11 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
   const int64_t bad = quantize_rows(kernel, p.x, p.x_kind, p.tokens, p.hidden, p.ldx, hq, p.hidden, hs, parallel_for);
   if (bad >= 0) throw_non_finite(bad, "hidden: row ");
   const PackedWeightView& w13_any = p.w13[0];
-  const int64_t a1_stride = packed_a_stride(kernel, w13_any.header->k_padded);
+  const int64_t a1_stride = packed_a_stride(kernel, w13_any.header.k_padded);
   parallel_for(0, pairs, std::max<int64_t>(1, 65536 / a1_stride), [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t t = order[q] / p.topk;
-      kernel.pack_a_row(hq + t * p.hidden, p.hidden, w13_any.header->k_padded, a1 + q * a1_stride);
+      kernel.pack_a_row(hq + t * p.hidden, p.hidden, w13_any.header.k_padded, a1 + q * a1_stride);
       s1[q] = hs[t];
     }
   });
@@ -161,8 +161,8 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
   const int64_t bad_act = quantize_rows(kernel, gate_up, FloatKind::f32, pairs, inter, 2 * inter, aq, inter, s2,
                                         parallel_for);
   if (bad_act >= 0) throw_non_finite(order[bad_act] / p.topk, "intermediate activation of token ");
-  const int64_t a2_stride = packed_a_stride(kernel, p.w2[0].header->k_padded);
-  pack_a_rows(kernel, aq, pairs, inter, inter, p.w2[0].header->k_padded, a2, parallel_for);
+  const int64_t a2_stride = packed_a_stride(kernel, p.w2[0].header.k_padded);
+  pack_a_rows(kernel, aq, pairs, inter, inter, p.w2[0].header.k_padded, a2, parallel_for);
 
   // down[q] = act_q[q] . w2[e]^T, fp32.
   const std::vector<Task> down_tasks = expert_tasks(kernel, offsets, p.w2);

@@ -4,8 +4,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <iterator>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "cpu_features.h"
 #include "gemm_driver.h"
@@ -67,22 +72,106 @@ at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, co
   return s.contiguous();
 }
 
-// Driver scratch: up to kRetainedScratchBytes, a buffer of the calling thread grown on demand and kept between
-// calls (a fresh multi-MB buffer per call would page-fault through every page again; ops never nest, so one
-// per thread is enough); larger requests (big MoE prefills) get a buffer of their own, freed after the call.
+// Driver scratch: a buffer of the calling thread, grown on demand and kept between calls (a fresh multi-MB buffer
+// per call would page-fault through every page again; ops never nest, so one per thread is enough). What all
+// threads keep together is bounded by kRetainedScratchBytes: a request that would cross it (big MoE prefills, or
+// many threads calling at once) gets a buffer of its own, freed after the call. A thread's buffer is freed (and
+// leaves the budget) when the thread exits: it is a thread_local with a destructor.
 constexpr int64_t kRetainedScratchBytes = int64_t{256} << 20;
+std::atomic<int64_t> g_retained_scratch_bytes{0};
+
+struct RetainedScratch {
+  at::Tensor buffer;
+  ~RetainedScratch() { g_retained_scratch_bytes -= buffer.defined() ? buffer.numel() : 0; }
+};
+
+// Adds `delta` bytes to the retained total if that stays within the budget.
+bool claim_retained(int64_t delta) {
+  int64_t total = g_retained_scratch_bytes.load();
+  do {
+    if (total + delta > kRetainedScratchBytes) return false;
+  } while (!g_retained_scratch_bytes.compare_exchange_weak(total, total + delta));
+  return true;
+}
 
 at::Tensor scratch_buffer(int64_t nbytes) {
-  if (nbytes > kRetainedScratchBytes) return at::empty({nbytes}, at::kByte);
-  thread_local at::Tensor retained;
-  if (!retained.defined() || retained.numel() < nbytes)
-    retained = at::empty({std::max<int64_t>(nbytes, 1)}, at::kByte);
-  return retained;
+  thread_local RetainedScratch mine;
+  nbytes = std::max<int64_t>(nbytes, 1);
+  if (mine.buffer.defined() && mine.buffer.numel() >= nbytes) return mine.buffer;
+  const int64_t held = mine.buffer.defined() ? mine.buffer.numel() : 0;
+  if (!claim_retained(nbytes - held)) return at::empty({nbytes}, at::kByte);
+  mine.buffer = at::Tensor();  // free the old one before allocating the new one
+  mine.buffer = at::empty({nbytes}, at::kByte);
+  return mine.buffer;
+}
+
+// Packed blobs are verified (verify_packed_weight: checksum, channel sums, padding; one pass over the blob) once
+// per tensor contents, not on every call: the pass costs about as much as an M = 1 GEMV over the same weight
+// (docs/ARCHITECTURE.md). The contents are identified as far as torch can tell: the storage, the byte range and
+// the tensor's version counter, which every in-place op bumps (views share it). A weak reference keeps the storage
+// object's address from being reused by a new storage while the entry exists. Writes that bypass the counter
+// (through numpy, .data, raw pointers, or in-place edits of inference tensors, which have no counter) are not
+// seen: they are the process's own edits, not input; the header is still validated on every call, so memory safety
+// never depends on this cache.
+class VerifiedBlobs {
+ public:
+  template <typename Verify>
+  void ensure(const at::Tensor& t, Verify&& verify) {
+    const Key key = key_of(t);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = entries_.find(key.data);
+      if (it != entries_.end() && it->second.matches(key)) return;
+    }
+    verify();  // throws for a bad blob; outside the lock, so threads verifying different blobs do not wait
+    insert(t);
+  }
+
+  void insert(const at::Tensor& t) {
+    const Key key = key_of(t);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (entries_.size() >= prune_at_) {
+      for (auto it = entries_.begin(); it != entries_.end();)
+        it = it->second.storage.expired() ? entries_.erase(it) : std::next(it);
+      prune_at_ = std::max<size_t>(1024, 2 * entries_.size());
+    }
+    entries_.insert_or_assign(key.data, Entry{key, c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(
+                                                       c10::raw::intrusive_ptr::make_weak(key.storage))});
+  }
+
+ private:
+  struct Key {
+    const void* data;
+    c10::StorageImpl* storage;
+    int64_t nbytes;
+    uint32_t version;
+  };
+  struct Entry {
+    Key key;
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    bool matches(const Key& k) const {
+      return key.storage == k.storage && key.nbytes == k.nbytes && key.version == k.version && !storage.expired();
+    }
+  };
+  static Key key_of(const at::Tensor& t) {
+    const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
+    return {t.data_ptr(), t.storage().unsafeGetStorageImpl(), t.numel(),
+            version.enabled() ? version.current_version() : 0u};
+  }
+
+  std::mutex mutex_;
+  std::unordered_map<const void*, Entry> entries_;
+  size_t prune_at_ = 1024;
+};
+
+VerifiedBlobs& verified_blobs() {
+  static VerifiedBlobs* blobs = new VerifiedBlobs;  // never destroyed: ops may run during interpreter teardown
+  return *blobs;
 }
 
 bool is_packed(const at::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
 
-at::Tensor pack_weight_op(const at::Tensor& w) {
+at::Tensor pack_weight_tensor(const at::Tensor& w) {
   check_cpu(w, "w");
   TORCH_CHECK_VALUE(w.scalar_type() == at::kChar, "w: dtype must be int8 (a raw [N, K] weight), got ",
                     w.scalar_type());
@@ -90,10 +179,28 @@ at::Tensor pack_weight_op(const at::Tensor& w) {
   TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
   check_k(w.size(1), "w");
   const MicroKernel& kernel = active_kernel();
-  auto blob = at::empty({packed_weight_nbytes(w.size(0), w.size(1), kernel.layout)}, w.options().dtype(at::kByte));
+  const int64_t nbytes =
+      as_value_errors([&] { return packed_weight_nbytes(w.size(0), w.size(1), kernel.layout, "w"); });
+  auto blob = at::empty({nbytes}, w.options().dtype(at::kByte));
   pack_weight(kernel, w.data_ptr<int8_t>(), w.size(0), w.size(1), w.stride(0), blob.data_ptr<uint8_t>(),
               kTorchParallelFor);
   return blob;
+}
+
+// The public op: the blob is correct by construction, so its first use need not verify it.
+at::Tensor pack_weight_op(const at::Tensor& w) {
+  at::Tensor blob = pack_weight_tensor(w);
+  verified_blobs().insert(blob);
+  return blob;
+}
+
+// A 1-D uint8 blob from the caller as a view: its header checked on every call, its contents once per tensor version.
+PackedWeightView checked_blob(const at::Tensor& blob, const char* arg) {
+  return as_value_errors([&] {
+    const PackedWeightView v = view_packed_weight(blob.data_ptr<uint8_t>(), blob.numel(), arg);
+    verified_blobs().ensure(blob, [&] { verify_packed_weight(v, arg); });
+    return v;
+  });
 }
 
 // The weight as a packed view; raw int8 [N, K] weights are packed into `storage` for this call.
@@ -101,9 +208,8 @@ PackedWeightView weight_view(const at::Tensor& w, int64_t k, at::Tensor& storage
   check_cpu(w, "w");
   if (is_packed(w)) {
     TORCH_CHECK_VALUE(w.is_contiguous(), "w: packed weight must be contiguous");
-    PackedWeightView view =
-        as_value_errors([&] { return view_packed_weight(w.data_ptr<uint8_t>(), w.numel(), "w"); });
-    TORCH_CHECK_VALUE(view.header->k == k, "w: packed weight has K = ", view.header->k, " but the activations have K = ",
+    const PackedWeightView view = checked_blob(w, "w");
+    TORCH_CHECK_VALUE(view.header.k == k, "w: packed weight has K = ", view.header.k, " but the activations have K = ",
                       k);
     return view;
   }
@@ -113,8 +219,17 @@ PackedWeightView weight_view(const at::Tensor& w, int64_t k, at::Tensor& storage
   check_rows(w, "w");
   TORCH_CHECK_VALUE(w.size(1) == k, "w: K mismatch: weight has K = ", w.size(1), " but the activations have K = ", k);
   TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
-  storage = pack_weight_op(w);
+  storage = pack_weight_tensor(w);
   return view_packed_weight(storage.data_ptr<uint8_t>(), storage.numel(), "w");
+}
+
+// Validation of a blob without a matmul, for Python code that reads blobs itself (unpack_weight): the same header
+// and content checks as the ops (cached the same way), ValueError naming `blob`.
+void verify_packed_weight_op(const at::Tensor& blob) {
+  check_cpu(blob, "blob");
+  TORCH_CHECK_VALUE(is_packed(blob) && blob.is_contiguous(), "blob: expected a contiguous 1-D uint8 packed weight (the "
+                    "output of pack_weight), got dtype ", blob.scalar_type(), " and shape ", blob.sizes());
+  checked_blob(blob, "blob");
 }
 
 at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
@@ -132,12 +247,12 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at:
   const FloatKind out_kind = float_kind(out_dtype, "out_dtype");
   at::Tensor packed_storage;
   const PackedWeightView wv = weight_view(w, x_q.size(1), packed_storage);
-  const int64_t m = x_q.size(0), n = wv.header->n;
+  const int64_t m = x_q.size(0), n = wv.header.n;
   const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
   if (m == 0) return out;
-  const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, wv.header->k_padded));
+  const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, wv.header.k_padded));
   as_value_errors([&] {
     gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
          b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
@@ -203,12 +318,13 @@ at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w
 std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts, int64_t n, int64_t k, const char* arg,
                                            at::Tensor& storage) {
   check_cpu(w, arg);
-  if (w.scalar_type() == at::kChar) {
+  const bool raw = w.scalar_type() == at::kChar;  // packed here for this call, else packed by the caller
+  if (raw) {
     TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == experts && w.size(1) == n && w.size(2) == k, arg,
                       ": expected a raw int8 weight of shape [", experts, ", ", n, ", ", k, "], got ", w.sizes());
     const MicroKernel& kernel = active_kernel();
     const at::Tensor wc = w.contiguous();
-    const int64_t nbytes = packed_weight_nbytes(n, k, kernel.layout);
+    const int64_t nbytes = as_value_errors([&] { return packed_weight_nbytes(n, k, kernel.layout, arg); });
     storage = at::empty({experts, nbytes}, w.options().dtype(at::kByte));
     for (int64_t e = 0; e < experts; ++e)
       pack_weight(kernel, wc.data_ptr<int8_t>() + e * n * k, n, k, k, storage.data_ptr<uint8_t>() + e * nbytes,
@@ -226,14 +342,22 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
     views.push_back(as_value_errors([&] {
       return view_packed_weight(storage.data_ptr<uint8_t>() + e * storage.size(1), storage.size(1), arg);
     }));
-    TORCH_CHECK_VALUE(views.back().header->n == n && views.back().header->k == k, arg, ": expert ", e,
-                      " was packed with shape [", views.back().header->n, ", ", views.back().header->k,
+    const PackedWeightHeader& h = views.back().header;
+    TORCH_CHECK_VALUE(h.n == n && h.k == k, arg, ": expert ", e, " was packed with shape [", h.n, ", ", h.k,
                       "], expected [", n, ", ", k, "]");
     // The driver packs A once for all experts, so every expert must share one panel layout.
     TORCH_CHECK_VALUE(views.back().layout.nr == views[0].layout.nr && views.back().layout.kr == views[0].layout.kr,
-                      arg, ": expert ", e, " was packed by '", views.back().header->packed_by,
-                      "', expert 0 by '", views[0].header->packed_by, "'; pack all experts with one variant");
+                      arg, ": expert ", e, " was packed by '", packed_by_name(h), "', expert 0 by '",
+                      packed_by_name(views[0].header), "'; pack all experts with one variant");
   }
+  if (!raw)  // verified once per tensor version, like a packed linear weight
+    as_value_errors([&] {
+      verified_blobs().ensure(w, [&] {
+        for (int64_t e = 0; e < experts; ++e)
+          verify_packed_weight(views[e], (std::string(arg) + " (expert " + std::to_string(e) + ")").c_str());
+      });
+      return 0;
+    });
   return views;
 }
 
@@ -345,6 +469,7 @@ TORCH_LIBRARY(w8a8_cpu, m) {
   m.def(
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
       "Tensor w2_scale, str activation='silu', bool apply_router_weight_on_input=False) -> Tensor");
+  m.def("_verify_packed_weight(Tensor blob) -> ()");
   m.def("_info() -> str", &w8a8_cpu::info_op);
   m.def("_set_variant(str name) -> ()", &w8a8_cpu::set_variant_op);
 }
@@ -355,4 +480,5 @@ TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
   m.impl("pack_weight", &w8a8_cpu::pack_weight_op);
   m.impl("fused_experts", &w8a8_cpu::fused_experts_op);
+  m.impl("_verify_packed_weight", &w8a8_cpu::verify_packed_weight_op);
 }

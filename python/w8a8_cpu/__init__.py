@@ -70,8 +70,18 @@ def use_variant(name: str) -> Iterator[None]:
         _ops._set_variant(previous)
 
 
+def _require_tensors(**tensors: object) -> None:
+    # The dispatcher's own error for a None / non-tensor argument does not name it ("tensor does not have a device").
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+
+
 def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). NaN/Inf in x raise ValueError."""
+    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). NaN/Inf in x raise ValueError.
+
+    No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
+    _require_tensors(x=x)
     return _ops.per_token_quant_int8(x)
 
 
@@ -85,7 +95,9 @@ def int8_scaled_mm(
 ) -> torch.Tensor:
     """(x_q int8 [M, K]) x (w int8 [N, K] or packed) -> [M, N] in out_dtype (default float32).
 
-    out = float32(x_q @ w.T, exact int32) * (x_scale * w_scale) + bias, then one cast to out_dtype."""
+    out = float32(x_q @ w.T, exact int32) * (x_scale * w_scale) + bias, then one cast to out_dtype.
+    No gradient: backward through it raises (int8_scaled_mm_with_quant has one)."""
+    _require_tensors(x_q=x_q, w=w, x_scale=x_scale, w_scale=w_scale)
     return _ops.int8_scaled_mm(x_q, w, x_scale, w_scale, bias, out_dtype)
 
 
@@ -96,7 +108,12 @@ def int8_scaled_mm_with_quant(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype)."""
+    """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype).
+
+    Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (w_int8 * w_scale[:, None]) in
+    fp32, cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
+    that requires grad makes backward raise ValueError naming it."""
+    _require_tensors(x=x, w=w, w_scale=w_scale)
     return _ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype)
 
 
@@ -105,38 +122,28 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
     Returns a self-describing 1-D uint8 blob (see docs/ARCHITECTURE.md); the matmul ops accept it in place
     of the raw weight. A blob packed for another panel layout is rejected with an error naming both."""
+    _require_tensors(w=w)
     return _ops.pack_weight(w)
 
 
-_HEADER_BYTES = 64
-_MAX_PACKED_DIM = 1 << 31  # far above any real layer; bounds the header fields before any arithmetic
+_HEADER_BYTES = 64  # docs/ARCHITECTURE.md, "Packed weight blob"
 
 
 def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_weight: a packed 1-D uint8 blob -> the int8 [N, K] weight it was packed from.
 
-    Reads the blob's own layout (any variant's), so weights packed here can be saved in a portable format.
-    A blob whose header does not describe its own size raises ValueError."""
+    Reads the blob's own layout (any variant's), so weights packed here can be saved in a portable format. The blob
+    is first verified exactly as the ops verify it (header bounds, checksum, channel sums); a bad one raises
+    ValueError."""
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
                          f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
     raw = blob.detach().contiguous()
-    if raw.numel() < _HEADER_BYTES or bytes(raw[:8].tolist()) != b"W8A8PKW\0":
-        raise ValueError("blob: not a packed weight (too short or bad magic)")
-    version = int(raw[8:12].clone().view(torch.int32)[0])
+    _ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
     nr, kr = (int(v) for v in raw[12:16].clone().view(torch.int16).tolist())
     n, k, n_padded, k_padded = (int(v) for v in raw[16:48].clone().view(torch.int64).tolist())
-    if version != 2 or not (0 < nr <= 256 and 0 < kr <= 256):
-        raise ValueError(f"blob: unsupported packed weight (version {version}) or panel layout")
-    if not (0 < n <= n_padded < _MAX_PACKED_DIM and 0 < k <= k_padded < _MAX_PACKED_DIM) \
-            or n_padded % nr or k_padded % kr or n_padded - n >= nr or k_padded - k >= kr:
-        raise ValueError("blob: packed weight header has inconsistent sizes")
-    body = n_padded * k_padded
-    if raw.numel() != _HEADER_BYTES + body + 4 * n_padded:
-        raise ValueError(f"blob: {raw.numel()} bytes, but its header describes "
-                         f"{_HEADER_BYTES + body + 4 * n_padded} (a truncated or corrupted packed weight)")
-    panels = raw[_HEADER_BYTES:_HEADER_BYTES + body].view(torch.int8)
-    # panel[k / kr][n % nr][k % kr] per panel of nr channels (docs/ARCHITECTURE.md)
+    panels = raw[_HEADER_BYTES:_HEADER_BYTES + n_padded * k_padded].view(torch.int8)
+    # panel[k / kr][n % nr][k % kr] per panel of nr channels
     w = panels.reshape(n_padded // nr, k_padded // kr, nr, kr).permute(0, 2, 1, 3).reshape(n_padded, k_padded)
     return w[:n, :k].contiguous()
 
@@ -170,7 +177,14 @@ def fused_experts(
     w13_scale fp32 [E, 2I] or [E, 2I, 1]; w2_scale fp32 [E, H] or [E, H, 1]. Per (token, k): per-token int8
     quant of hidden, gate_up = int8 mm with w13, act = silu(gate) * up re-quantized per row, down = int8 mm
     with w2, out[token] += topk_weight * down (slots summed in order), one cast at the end.
-    apply_router_weight_on_input (topk == 1 only) scales the input by the weight instead of the output."""
+    apply_router_weight_on_input (topk == 1 only) scales the input by the weight instead of the output.
+
+    Differentiable w.r.t. hidden and topk_weights (torch >= 2.4), straight-through: the gradient of the same MoE
+    computed in fp32 with the dequantized experts (w_int8 * w_scale), as if neither the input nor the SiLU-gated
+    activations were rounded to int8. It is recomputed expert by expert in backward (slower than the forward);
+    weights and scales are frozen: one that requires grad makes backward raise ValueError naming it."""
+    _require_tensors(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                     w13_scale=w13_scale, w2_scale=w2_scale)
     return _ops.fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation,
                               apply_router_weight_on_input)
 
@@ -190,6 +204,10 @@ def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     w_q = torch.round(w32 * (127.0 / amax)[:, None]).clamp_(-127, 127).to(torch.int8)
     return w_q, (amax / 127.0).contiguous()
 
+
+from . import _autograd  # noqa: E402  (its backward formulas unpack weights with unpack_weight)
+
+_autograd.register()
 
 from . import nn  # noqa: E402
 

@@ -1,4 +1,10 @@
-"""Fake (meta) kernels: output shapes/dtypes without computing, for torch.compile and opcheck."""
+"""Fake (meta) kernels: output shapes/dtypes without computing, for torch.compile and opcheck.
+
+Each fake kernel first validates its inputs the way the C++ op does (csrc/common/torch_binding.cpp; the helpers
+below mirror its helpers and messages), so tracing raises the same ValueError as running would, instead of
+inventing an output for inputs the op rejects. Only what the metadata shows can be checked here: dtypes, shapes,
+strides, devices. Checks that read data (NaN/Inf activations, topk_ids in range, a packed blob's header: its
+magic, N and K) are the real op's alone."""
 from __future__ import annotations
 
 import json
@@ -6,6 +12,8 @@ import json
 import torch
 
 _HEADER_BYTES = 64  # PackedWeightHeader in csrc/common/gemm_driver.h
+_MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _packed_weight_nbytes(n, k):
@@ -17,11 +25,121 @@ def _packed_weight_nbytes(n, k):
 
 
 def _check_same_device(first, **tensors):
-    # The real kernels only take CPU tensors; a fake call mixing devices would otherwise "succeed".
+    # The real kernels only take CPU tensors; a fake call mixing devices would otherwise "succeed". All-meta
+    # inputs are shape inference and pass.
     for name, t in tensors.items():
         if t is not None and t.device != first.device:
             raise ValueError(f"{name}: expected a CPU tensor on the same device as the activations, got {t.device}")
 
+
+# ---- the C++ checks: its helpers (named where ours differ), in its order, with its messages -------------------
+
+def _check_float(dtype, arg):  # float_kind
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{arg}: dtype must be float32, bfloat16 or float16, got {dtype}")
+
+
+def _check_last_dim_contiguous(t, arg):
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{arg}: last dimension must be contiguous (stride 1), got strides {list(t.stride())}; "
+                         f"call .contiguous() first")
+
+
+def _check_rows(t, arg):
+    if t.dim() != 2:
+        raise ValueError(f"{arg}: expected a 2-D tensor, got shape {list(t.shape)}")
+    _check_last_dim_contiguous(t, arg)
+
+
+def _check_n_positive(w):
+    if w.shape[0] <= 0:
+        raise ValueError("w: N (dim 0) must be > 0")
+
+
+def _check_k(k, arg):
+    if k <= 0:
+        raise ValueError(f"{arg}: K (last dim) must be > 0")
+    if k > _MAX_K:
+        raise ValueError(f"{arg}: K = {k} exceeds {_MAX_K}, the largest K whose int32 accumulation cannot overflow")
+
+
+def _check_scales(s, rows, arg, what):  # checked_scales
+    if s.dtype != torch.float32:
+        raise ValueError(f"{arg}: dtype must be float32, got {s.dtype}")
+    if not ((s.dim() == 1 and s.shape[0] == rows) or (s.dim() == 2 and s.shape[0] == rows and s.shape[1] == 1)):
+        raise ValueError(f"{arg}: expected shape [{rows}] or [{rows}, 1] (one scale per {what}), got {list(s.shape)}")
+
+
+def _check_blob_length(nbytes, arg):  # the part of view_packed_weight that needs no data
+    if nbytes < _HEADER_BYTES:
+        raise ValueError(f"{arg}: a 1-D uint8 tensor of {nbytes} bytes is too short to be a packed weight (expected "
+                         f"the output of pack_weight)")
+
+
+def _weight_rows(w, k, w_scale):  # weight_view; returns N
+    if w.dim() == 1 and w.dtype == torch.uint8:
+        if not w.is_contiguous():
+            raise ValueError("w: packed weight must be contiguous")
+        _check_blob_length(w.numel(), "w")
+        # N and K are in the blob's header (data): take N from w_scale; "N" makes its shape check fail, with
+        # the real op's message, when w_scale is not [N] or [N, 1] at all.
+        return w_scale.shape[0] if w_scale.dim() in (1, 2) else "N"
+    if w.dtype != torch.int8:
+        raise ValueError(f"w: expected a raw int8 [N, K] weight or a packed weight (1-D uint8 from pack_weight), got "
+                         f"dtype {w.dtype} and shape {list(w.shape)}")
+    _check_rows(w, "w")
+    if w.shape[1] != k:
+        raise ValueError(f"w: K mismatch: weight has K = {w.shape[1]} but the activations have K = {k}")
+    _check_n_positive(w)
+    return w.shape[0]
+
+
+def _check_bias(bias, n):  # checked_bias
+    if bias is None:
+        return
+    _check_float(bias.dtype, "bias")
+    if bias.dim() != 1 or bias.shape[0] != n:
+        raise ValueError(f"bias: expected shape [{n}], got {list(bias.shape)}")
+
+
+def _scaled_mm_columns(k, w, w_scale, bias, out_dtype):  # scaled_mm; returns N
+    _check_float(out_dtype, "out_dtype")
+    n = _weight_rows(w, k, w_scale)
+    _check_scales(w_scale, n, "w_scale", "output channel")
+    _check_bias(bias, n)
+    return n
+
+
+def _check_activation_rows(x):  # activation_rows
+    _check_float(x.dtype, "x")
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dimension [..., K], got a scalar")
+    _check_k(x.shape[-1], "x")
+    _check_last_dim_contiguous(x, "x")
+
+
+def _check_expert_weight(w, experts, n, k, arg):  # expert_views
+    if w.dtype == torch.int8:
+        if w.dim() != 3 or list(w.shape) != [experts, n, k]:
+            raise ValueError(f"{arg}: expected a raw int8 weight of shape [{experts}, {n}, {k}], got {list(w.shape)}")
+        return
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != experts:
+        raise ValueError(f"{arg}: expected a raw int8 [{experts}, {n}, {k}] weight or packed experts (uint8 [E, bytes] "
+                         f"from pack_moe_weights), got dtype {w.dtype} and shape {list(w.shape)}")
+    if not w.is_contiguous():
+        raise ValueError(f"{arg}: packed experts must be contiguous")
+    _check_blob_length(w.shape[1], arg)
+
+
+def _expert_scale_rows(s, arg):  # checked_expert_scales; returns [E, N] as a shape
+    if s.dtype != torch.float32:
+        raise ValueError(f"{arg}: dtype must be float32, got {s.dtype}")
+    if not (s.dim() == 2 or (s.dim() == 3 and s.shape[2] == 1)):
+        raise ValueError(f"{arg}: expected shape [E, N] or [E, N, 1], got {list(s.shape)}")
+    return s.shape[0], s.shape[1]
+
+
+# ---- fake kernels ----------------------------------------------------------------------------------------------
 
 _meta_library = None  # torch < 2.1 only: keeps the Meta registrations alive
 
@@ -50,26 +168,75 @@ def register() -> None:
 
     @register_fake("w8a8_cpu::per_token_quant_int8")
     def _per_token_quant_int8(x):
+        if x.dim() != 2:
+            raise ValueError(f"x: expected a 2-D [M, K] tensor, got shape {list(x.shape)}")
+        _check_activation_rows(x)
         return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
     @register_fake("w8a8_cpu::int8_scaled_mm")
     def _int8_scaled_mm(x_q, w, x_scale, w_scale, bias=None, out_dtype=None):
         _check_same_device(x_q, w=w, x_scale=x_scale, w_scale=w_scale, bias=bias)
-        # N comes from w_scale: a packed weight is a 1-D blob whose length does not give N.
-        return x_q.new_empty((x_q.shape[0], w_scale.shape[0]), dtype=out_dtype or torch.float32)
+        if x_q.dtype != torch.int8:
+            raise ValueError(f"x_q: dtype must be int8, got {x_q.dtype}")
+        _check_rows(x_q, "x_q")
+        _check_k(x_q.shape[1], "x_q")
+        _check_scales(x_scale, x_q.shape[0], "x_scale", "row of x_q")
+        out_dtype = out_dtype or torch.float32
+        n = _scaled_mm_columns(x_q.shape[1], w, w_scale, bias, out_dtype)
+        return x_q.new_empty((x_q.shape[0], n), dtype=out_dtype)
 
     @register_fake("w8a8_cpu::int8_scaled_mm_with_quant")
     def _int8_scaled_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None):
         _check_same_device(x, w=w, w_scale=w_scale, bias=bias)
-        return x.new_empty((*x.shape[:-1], w_scale.shape[0]), dtype=out_dtype or x.dtype)
+        _check_activation_rows(x)
+        out_dtype = out_dtype or x.dtype
+        n = _scaled_mm_columns(x.shape[-1], w, w_scale, bias, out_dtype)
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
     @register_fake("w8a8_cpu::fused_experts")
     def _fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation="silu",
                        apply_router_weight_on_input=False):
+        if activation != "silu":
+            raise ValueError(f"activation: only 'silu' is supported, got '{activation}'")
         _check_same_device(hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
                            w13_scale=w13_scale, w2_scale=w2_scale)
+        _check_float(hidden.dtype, "hidden")
+        _check_rows(hidden, "hidden")
+        m, h = hidden.shape
+        _check_k(h, "hidden")
+        experts, inter2 = _expert_scale_rows(w13_scale, "w13_scale")
+        w2_scale_rows = _expert_scale_rows(w2_scale, "w2_scale")
+        if experts <= 0:
+            raise ValueError("w13_scale: number of experts (dim 0) must be > 0")
+        if inter2 <= 0 or inter2 % 2:
+            raise ValueError(f"w13_scale: dim 1 must be 2 * intermediate size (gate rows then up rows), got {inter2}")
+        if w2_scale_rows != (experts, h):
+            raise ValueError(f"w2_scale: expected shape [{experts}, {h}] (experts x hidden size), got "
+                             f"{list(w2_scale.shape)}")
+        _check_k(inter2 // 2, "w2")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids: dtype must be int32 or int64, got {topk_ids.dtype}")
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != m:
+            raise ValueError(f"topk_ids: expected shape [{m}, topk], got {list(topk_ids.shape)}")
+        topk = topk_ids.shape[1]
+        if topk <= 0:
+            raise ValueError("topk_ids: topk (dim 1) must be > 0")
+        _check_float(topk_weights.dtype, "topk_weights")
+        if list(topk_weights.shape) != [m, topk]:
+            raise ValueError(f"topk_weights: expected shape [{m}, {topk}] like topk_ids, got "
+                             f"{list(topk_weights.shape)}")
+        _check_expert_weight(w13, experts, inter2, h, "w13")
+        _check_expert_weight(w2, experts, h, inter2 // 2, "w2")
+        # The op returns before this check when there are no tokens.
+        if m > 0 and apply_router_weight_on_input and topk != 1:
+            raise ValueError(f"apply_router_weight_on_input: requires topk == 1, got topk = {topk}")
         return hidden.new_empty(hidden.shape)
 
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):
+        if w.dtype != torch.int8:
+            raise ValueError(f"w: dtype must be int8 (a raw [N, K] weight), got {w.dtype}")
+        _check_rows(w, "w")
+        _check_n_positive(w)
+        _check_k(w.shape[1], "w")
         return w.new_empty((_packed_weight_nbytes(w.shape[0], w.shape[1]),), dtype=torch.uint8)

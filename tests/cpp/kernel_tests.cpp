@@ -4,12 +4,15 @@
 // Exit status 0 only if every check passed and at least one variant ran.
 #include <algorithm>
 #include <cinttypes>
+#include <climits>
+#include <cstddef>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -54,25 +57,30 @@ std::vector<int64_t> reference_matmul(const std::vector<int8_t>& a, const std::v
   return c;
 }
 
+int64_t round_up_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
 int64_t blob_k_padded(const std::vector<uint8_t>& blob) {
-  return view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w").header->k_padded;
+  return view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w").header.k_padded;
 }
 
 // Runs the variant's tile over every (row tile, panel) and returns the int32 accumulators [m, n].
 std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<int8_t>& a, const std::vector<int8_t>& w,
                                    const Shape& s) {
-  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout));
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout, "w"));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
   const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
-  const int64_t kp = pw.header->k_padded, nr = pw.layout.nr;
+  verify_packed_weight(pw, "w");
+  const int64_t kp = pw.header.k_padded, nr = pw.layout.nr;
+  std::vector<int32_t> sums(pw.header.n_padded);
+  load_col_sums(pw, 0, pw.header.n_padded, sums.data());
   const size_t stride = static_cast<size_t>(kp) * kern.a_elem_bytes;
   std::vector<uint8_t> apack(s.m * stride);
   for (int64_t i = 0; i < s.m; ++i) kern.pack_a_row(a.data() + i * s.k, s.k, kp, apack.data() + i * stride);
   std::vector<int32_t> c(s.m * s.n), tile(kern.mr * nr);
   for (int64_t r = 0; r < s.m; r += kern.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(kern.mr, s.m - r));
-    for (int64_t p = 0; p < pw.header->n_padded / nr; ++p) {
-      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, pw.col_sums + p * nr, pw.layout, kp,
+    for (int64_t p = 0; p < pw.header.n_padded / nr; ++p) {
+      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, sums.data() + p * nr, pw.layout, kp,
                 tile.data());
       for (int i = 0; i < rows; ++i)
         for (int64_t j = 0; j < nr && p * nr + j < s.n; ++j) c[(r + i) * s.n + p * nr + j] = tile[i * nr + j];
@@ -230,7 +238,7 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
     std::vector<float> scales(s.m), out(s.m * s.n);
     CHECK(quantize_rows(*kern, x.data(), FloatKind::f32, s.m, s.k, s.k, q.data(), s.k, scales.data(), serial_for) == -1,
           "%s: finite rows reported bad", kern->name);
-    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->layout));
+    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->layout, "w"));
     pack_weight(*kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
     std::vector<uint8_t> scratch(gemm_scratch_nbytes(*kern, s.m, blob_k_padded(blob)));
     gemm(*kern, q.data(), s.m, s.k, scales.data(), view_packed_weight(blob.data(), blob.size(), "w"), w_scale.data(),
@@ -240,6 +248,179 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
           kernels.front()->name);
   }
   std::printf("  driver output bit-identical across %zu variants\n", kernels.size());
+}
+
+// ---- Packed weights are untrusted input: every malformed blob is rejected (std::invalid_argument) or read exactly.
+
+// Recomputes the checksum after an edit, as an adversary would, so the checks behind it are reached too.
+void reseal(uint8_t* blob, int64_t nbytes) {
+  const uint32_t c = packed_weight_checksum(blob, nbytes);
+  std::memcpy(blob + kChecksumOffset, &c, 4);
+}
+
+template <typename T>
+void put_field(uint8_t* blob, size_t offset, T value) {
+  std::memcpy(blob + offset, &value, sizeof value);
+}
+
+// view + verify + (if the header still describes [n, k], as the ops check) the driver; "" if nothing threw.
+std::string rejection(const MicroKernel& kern, const uint8_t* blob, int64_t nbytes, int64_t n, int64_t k,
+                      std::vector<float>* out = nullptr) {
+  try {
+    const PackedWeightView v = view_packed_weight(blob, nbytes, "w");
+    verify_packed_weight(v, "w");
+    if (v.header.n != n || v.header.k != k) return "shape differs";
+    if (out) {
+      const int64_t m = 3;
+      std::vector<int8_t> a(m * k);
+      SplitMix64 gen{0x1234};
+      for (auto& x : a) x = gen.next_int8();
+      std::vector<float> a_scales(m, 0.5f), w_scales(n, 0.25f);
+      out->assign(m * n, 0.f);
+      std::vector<uint8_t> scratch(gemm_scratch_nbytes(kern, m, v.header.k_padded));
+      gemm(kern, a.data(), m, k, a_scales.data(), v, w_scales.data(), nullptr, out->data(), FloatKind::f32, n,
+           scratch.data(), serial_for);
+    }
+    return "";
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+}
+
+void test_crc32c() {
+  const char* check = "123456789";  // CRC-32C check value 0xe3069283
+  CHECK(crc32c(0, check, 9) == 0xe3069283u && crc32c_portable(0, check, 9) == 0xe3069283u, "crc32c check value");
+  CHECK(crc32c(crc32c(0, check, 4), check + 4, 5) == 0xe3069283u, "crc32c does not chain");
+  std::vector<uint8_t> buf(200000);
+  SplitMix64 gen{0xc3c32c};
+  for (auto& b : buf) b = static_cast<uint8_t>(gen.next());
+  int64_t mismatches = 0, runs = 0;
+  // Lengths around the SSE4.2 path's 3 x 8 KiB rounds and 8-byte steps, at every start alignment.
+  for (size_t len : {0, 1, 7, 8, 9, 63, 64, 65, 8191, 24575, 24576, 24577, 49152 + 13, 199993})
+    for (size_t off = 0; off < 8; ++off, ++runs)
+      mismatches += crc32c(0x5a5a5a5a, buf.data() + off, len) != crc32c_portable(0x5a5a5a5a, buf.data() + off, len);
+  CHECK(mismatches == 0, "crc32c: %" PRId64 " of %" PRId64 " dispatched results differ from the portable code",
+        mismatches, runs);
+  std::printf("  crc32c: check value, chaining, dispatched == portable on %" PRId64 " buffers\n", runs);
+}
+
+void test_packed_weight_rejections(const MicroKernel& kern) {
+  const int64_t n = 37, k = 96;  // K = 96 is a whole number of k groups for kr = 4 and 8
+  std::mt19937_64 rng(7);
+  const auto w = random_int8(rng, n * k, -127, 127);
+  const int64_t nbytes = packed_weight_nbytes(n, k, kern.layout, "w");
+  std::vector<uint8_t> good(nbytes);
+  pack_weight(kern, w.data(), n, k, k, good.data(), serial_for);
+  std::vector<float> want;
+  CHECK(rejection(kern, good.data(), nbytes, n, k, &want).empty(), "%s: a fresh blob was rejected", kern.name);
+  auto expect = [&](const char* what, std::vector<uint8_t> b, const char* needle) {
+    const std::string why = rejection(kern, b.data(), static_cast<int64_t>(b.size()), n, k);
+    CHECK(why.find(needle) != std::string::npos && why.size() < 400, "%s: %s: got '%s', expected '%s'", kern.name,
+          what, why.c_str(), needle);
+  };
+  // An unterminated name, read with strlen in the layout-mismatch message before (ASan: heap over-read): body bytes
+  // with no zero, and another panel depth, reach that message.
+  std::vector<uint8_t> b = good;
+  std::memset(b.data() + offsetof(PackedWeightHeader, packed_by), 'A', sizeof(PackedWeightHeader::packed_by));
+  std::memset(b.data() + sizeof(PackedWeightHeader), 0x11, nbytes - sizeof(PackedWeightHeader));
+  put_field<uint16_t>(b.data(), offsetof(PackedWeightHeader, kr), kern.layout.kr == 8 ? 4 : 8);
+  reseal(b.data(), nbytes);
+  expect("unterminated packed_by", b, "packed_by is not a NUL-terminated");
+  b = good;
+  b[offsetof(PackedWeightHeader, packed_by) + 1] = 0x07;
+  reseal(b.data(), nbytes);
+  expect("control character in packed_by", b, "packed_by is not a NUL-terminated");
+  // A 64-byte blob claiming n = 2^58: 64 + n * 60 + 4 * n wrapped around to 64 before (UBSan: signed overflow).
+  std::vector<uint8_t> tiny(good.begin(), good.begin() + 64);
+  put_field<uint16_t>(tiny.data(), offsetof(PackedWeightHeader, nr), 1);
+  put_field<uint16_t>(tiny.data(), offsetof(PackedWeightHeader, kr), 1);
+  for (size_t field : {offsetof(PackedWeightHeader, n), offsetof(PackedWeightHeader, n_padded)})
+    put_field<int64_t>(tiny.data(), field, int64_t{1} << 58);
+  for (size_t field : {offsetof(PackedWeightHeader, k), offsetof(PackedWeightHeader, k_padded)})
+    put_field<int64_t>(tiny.data(), field, 60);
+  reseal(tiny.data(), 64);
+  expect("size overflow", tiny, "packed weight header");
+  // Contents: a flipped body byte; resealed edits of a channel sum, of padding (sum adjusted), of kr (4 -> 5 at
+  // K = 20 under ref, which reads any layout); an older version.
+  b = good;
+  b[200] ^= 0x20;
+  expect("flipped body byte", b, "checksum mismatch");
+  b = good;
+  const int64_t sums_at = nbytes - 4 * round_up_to(n, kern.layout.nr);
+  b[sums_at + 4 * 5] += 1;
+  reseal(b.data(), nbytes);
+  expect("channel sum edit", b, "channel sums do not match its panels (channel 5)");
+  b = good;
+  const int64_t last = round_up_to(n, kern.layout.nr) - 1;  // a padding channel
+  b[sizeof(PackedWeightHeader) + (last / kern.layout.nr) * round_up_to(k, kern.layout.kr) * kern.layout.nr +
+    kern.layout.index(3, static_cast<int>(last % kern.layout.nr))] = 9;
+  put_field<int32_t>(b.data(), sums_at + 4 * last, 9);
+  reseal(b.data(), nbytes);
+  expect("nonzero padding", b, "padding is not zero");
+  b = good;
+  put_field<uint32_t>(b.data(), offsetof(PackedWeightHeader, version), 2);
+  reseal(b.data(), nbytes);
+  expect("version 2", b, "re-pack");
+  if (kern.reads_any_layout) {
+    const int64_t k20 = 20;
+    std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, kern.layout, "w"));
+    pack_weight(kern, w.data(), 16, k20, k20, b20.data(), serial_for);
+    put_field<uint16_t>(b20.data(), offsetof(PackedWeightHeader, kr), 5);
+    reseal(b20.data(), static_cast<int64_t>(b20.size()));
+    const std::string why = rejection(kern, b20.data(), static_cast<int64_t>(b20.size()), 16, k20);
+    CHECK(why.find("channel sums") != std::string::npos, "%s: kr 4 -> 5: got '%s'", kern.name, why.c_str());
+  }
+  // Any start address (a slice of a larger buffer): the header is copied out and the sums read bytewise, so this
+  // is exact and, under UBSan, free of misaligned loads (there were before).
+  for (int off = 1; off < 8; ++off) {
+    std::vector<uint8_t> buf(nbytes + off);
+    std::memcpy(buf.data() + off, good.data(), nbytes);
+    std::vector<float> got;
+    const std::string why = rejection(kern, buf.data() + off, nbytes, n, k, &got);
+    CHECK(why.empty() && got == want, "%s: blob at byte offset %d: %s", kern.name, off,
+          why.empty() ? "different result" : why.c_str());
+  }
+  std::printf("  %-12s packed weight rejections and byte offsets 1..7\n", kern.name);
+}
+
+// Seeded mutations of small blobs (bytes, header fields with boundary values, truncation, extension), most
+// resealed: each must be rejected or give the unmutated output bit for bit.
+void fuzz_packed_weights(const MicroKernel& kern, uint64_t seed, int cases) {
+  std::mt19937_64 rng(seed);
+  const int64_t n = 21, k = 30;
+  const auto w = random_int8(rng, n * k, -127, 127);
+  const int64_t nbytes = packed_weight_nbytes(n, k, kern.layout, "w");
+  std::vector<uint8_t> good(nbytes);
+  pack_weight(kern, w.data(), n, k, k, good.data(), serial_for);
+  std::vector<float> want, got;
+  rejection(kern, good.data(), nbytes, n, k, &want);
+  const int64_t boundary[] = {0, 1, 2, 3, 4, 8, 16, 17, 64, 65, 255, 65535, kMaxK, kMaxK + 1, kMaxPackedN,
+                              kMaxPackedN + 1, int64_t{1} << 58, int64_t{1} << 62, INT64_MAX, -1, INT64_MIN};
+  const size_t fields[] = {offsetof(PackedWeightHeader, n), offsetof(PackedWeightHeader, k),
+                           offsetof(PackedWeightHeader, n_padded), offsetof(PackedWeightHeader, k_padded)};
+  int64_t rejected = 0, exact = 0, wrong = 0;
+  for (int c = 0; c < cases; ++c) {
+    std::vector<uint8_t> b = good;
+    switch (rng() % 6) {
+      case 0: b[rng() % b.size()] ^= static_cast<uint8_t>(1 + rng() % 255); break;
+      case 1: b[rng() % 64] = static_cast<uint8_t>(rng()); break;
+      case 2: put_field<int64_t>(b.data(), fields[rng() % 4], boundary[rng() % (sizeof boundary / 8)]); break;
+      case 3:
+        put_field<uint16_t>(b.data(), rng() % 2 ? offsetof(PackedWeightHeader, nr) : offsetof(PackedWeightHeader, kr),
+                            static_cast<uint16_t>(boundary[rng() % (sizeof boundary / 8)]));
+        break;
+      case 4: b.resize(rng() % b.size()); break;
+      default: b.resize(b.size() + 1 + rng() % 64, static_cast<uint8_t>(rng())); break;
+    }
+    if (b.size() >= 64 && rng() % 4 != 0) reseal(b.data(), static_cast<int64_t>(b.size()));
+    const std::string why = rejection(kern, b.data(), static_cast<int64_t>(b.size()), n, k, &got);
+    if (!why.empty()) ++rejected;
+    else if (got == want) ++exact;
+    else ++wrong;
+  }
+  CHECK(wrong == 0, "%s: %" PRId64 " mutated blobs gave a wrong result", kern.name, wrong);
+  std::printf("  %-12s packed weight fuzz: %d cases, %" PRId64 " rejected, %" PRId64 " exact, %" PRId64 " wrong\n",
+              kern.name, cases, rejected, exact, wrong);
 }
 
 }  // namespace
@@ -279,7 +460,10 @@ int run(int argc, char** argv) {
     test_extreme_k(*kern);
     test_quantization(*kern, seed);
     test_shared_vectors(*kern);
+    test_packed_weight_rejections(*kern);
+    fuzz_packed_weights(*kern, seed, 3000);
   }
+  test_crc32c();
   test_driver_identical(runnable, seed);
   g_failures += run_moe_tests(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");

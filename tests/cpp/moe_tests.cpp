@@ -86,7 +86,8 @@ int run_moe_tests(const std::vector<const MicroKernel*>& kernels, uint64_t seed)
     const auto want = scalar_moe(c, x, w13, s13, w2, s2, weights, ids);
     for (const MicroKernel* kern : kernels) {
       const PanelLayout layout = kern->layout;
-      const int64_t b13 = packed_weight_nbytes(2 * c.inter, c.h, layout), b2 = packed_weight_nbytes(c.h, c.inter, layout);
+      const int64_t b13 = packed_weight_nbytes(2 * c.inter, c.h, layout, "w13"),
+                    b2 = packed_weight_nbytes(c.h, c.inter, layout, "w2");
       std::vector<uint8_t> p13(c.experts * b13), p2(c.experts * b2);
       std::vector<PackedWeightView> v13, v2;
       for (int64_t e = 0; e < c.experts; ++e) {

@@ -12,8 +12,13 @@ Conventions kept from upstream (x86):
   is_vnni=False: raw int8 weight only.
 - fused_experts_cpu supports moe_comp_method 1 (INT8_W8A8) with SiLU-and-mul only; inplace=True also writes the
   result into hidden_states.
+- bias: any floating dtype (used in fp32); an integer bias is rejected.
 Differences: convert_weight_packed takes int8 weights only and returns w8a8_cpu's packed layout (1-D uint8 blob
-for [N, K]; [E, bytes] uint8 for [E, N, K] expert weights), not a tensor of the input's shape.
+for [N, K]; [E, bytes] uint8 for [E, N, K] expert weights), not a tensor of the input's shape. fused_experts_cpu
+declares hidden_states mutable (``Tensor(a0!)``, as vLLM's copy of the kernel declares it); upstream's schema
+does not, and torch.compile then reorders or drops the inplace=True write.
+The fake kernels are the implementations themselves (their w8a8_cpu ops have fake kernels), so tracing validates
+the arguments as running does.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ SCHEMAS: Dict[str, str] = {
     "ScalarType out_dtype, bool is_vnni) -> Tensor",
     "int8_scaled_mm_with_quant": "int8_scaled_mm_with_quant(Tensor mat1, Tensor mat2, Tensor scales2, Tensor? bias, "
     "ScalarType out_dtype, bool is_vnni) -> Tensor",
-    "fused_experts_cpu": "fused_experts_cpu(Tensor hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
+    "fused_experts_cpu": "fused_experts_cpu(Tensor(a0!) hidden_states, Tensor w1, Tensor w2, Tensor topk_weights, "
     "Tensor topk_ids, bool inplace, int moe_comp_method, Tensor? w1_scale, Tensor? w2_scale, Tensor? w1_zero, "
     "Tensor? w2_zero, int[]? block_size, Tensor? w1_bias, Tensor? w2_bias, float? alpha, float? limit, "
     "bool is_vnni, str? activation=None) -> Tensor",
@@ -67,7 +72,11 @@ def _activations_int8(mat1: torch.Tensor) -> torch.Tensor:
 
 
 def _float_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return bias if bias is None or bias.dtype == torch.float32 else bias.to(torch.float32)
+    if bias is None:
+        return None
+    if not bias.is_floating_point():
+        raise ValueError(f"bias: expected a floating-point tensor, got {bias.dtype}")
+    return bias.to(torch.float32)
 
 
 def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
@@ -114,7 +123,7 @@ def fused_experts_cpu(hidden_states, w1, w2, topk_weights, topk_ids, inplace, mo
     _check_weight(w1, is_vnni, "w1")
     _check_weight(w2, is_vnni, "w2")
     out = _ops.fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale, "silu", False)
-    if inplace:  # the schema declares no alias, so return a fresh tensor holding the values written in place
+    if inplace:  # hidden_states is declared mutable, the output not an alias of it: a fresh tensor is returned
         hidden_states.copy_(out)
     return out
 
@@ -125,41 +134,6 @@ _IMPLS = {
     "int8_scaled_mm_cpu": int8_scaled_mm_cpu,
     "int8_scaled_mm_with_quant": int8_scaled_mm_with_quant,
     "fused_experts_cpu": fused_experts_cpu,
-}
-
-
-# ---- fake (meta) kernels -----------------------------------------------------------------------------------------
-
-def _fake_convert_weight_packed(weight):
-    from w8a8_cpu._fake import _packed_weight_nbytes
-
-    nbytes = _packed_weight_nbytes(weight.shape[-2], weight.shape[-1])
-    shape = (nbytes,) if weight.dim() == 2 else (weight.shape[0], nbytes)
-    return weight.new_empty(shape, dtype=torch.uint8)
-
-
-def _fake_per_token_quant_int8_cpu(A):
-    return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty((*A.shape[:-1], 1), dtype=torch.float32)
-
-
-def _fake_int8_scaled_mm_cpu(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
-    return mat1.new_empty((mat1.shape[0], scales2.numel()), dtype=out_dtype)
-
-
-def _fake_int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype, is_vnni):
-    return mat1.new_empty((*mat1.shape[:-1], scales2.numel()), dtype=out_dtype)
-
-
-def _fake_fused_experts_cpu(hidden_states, *args, **kwargs):
-    return torch.empty_like(hidden_states)
-
-
-_FAKES = {
-    "convert_weight_packed": _fake_convert_weight_packed,
-    "per_token_quant_int8_cpu": _fake_per_token_quant_int8_cpu,
-    "int8_scaled_mm_cpu": _fake_int8_scaled_mm_cpu,
-    "int8_scaled_mm_with_quant": _fake_int8_scaled_mm_with_quant,
-    "fused_experts_cpu": _fake_fused_experts_cpu,
 }
 
 
@@ -203,7 +177,7 @@ def register() -> Dict[str, object]:
         _library.define(schema)
         _library.impl(name, _IMPLS[name], "CPU")
         if register_fake is not None:
-            register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=_library)
+            register_fake(f"{NAMESPACE}::{name}", _IMPLS[name], lib=_library)
         _registered.append(name)
         registered.append(name)
     if refused:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Callable, Iterable, Optional, Union
+import warnings
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -31,7 +32,16 @@ class W8A8Linear(_Fp32Scales):
     """Linear layer with int8 weights (one fp32 scale per output channel) and per-token int8 activations.
 
     The weight is quantized and packed once (for the variant active at construction); forward runs the
-    fused quantize + int8 matmul and returns the input's dtype."""
+    fused quantize + int8 matmul and returns the input's dtype. Gradients flow to the input (straight-through,
+    see int8_scaled_mm_with_quant); the weight, w_scale and bias are frozen buffers.
+
+    There is no float `weight`: reading it raises AttributeError (hasattr is False) and assigning one raises
+    ValueError, so code that would tie it to another layer's float weight (transformers' tie_weights on a
+    quantized lm_head) fails instead of attaching a tensor forward never reads. int8_weight() gives the weight."""
+
+    _NO_FLOAT_WEIGHT = ("W8A8Linear has no float weight: it holds the int8 weight packed (int8_weight() unpacks it) "
+                        "and fp32 w_scale. A layer whose weight is read or tied elsewhere (a tied lm_head) must stay "
+                        "float: skip it in quantize_model")
 
     _fp32_buffers = ("w_scale",)
 
@@ -50,6 +60,16 @@ class W8A8Linear(_Fp32Scales):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
         w_q, w_scale = quantize_weight(linear.weight)
         return cls(w_q, w_scale, linear.bias)
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(f"weight: {self._NO_FLOAT_WEIGHT}")
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "weight":
+            raise ValueError(f"weight: {self._NO_FLOAT_WEIGHT}")
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias)
@@ -191,28 +211,52 @@ def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 
 
+def _tied_elsewhere(holders: Dict[int, List[str]], names: List[str],
+                    module: torch.nn.Module) -> List[Tuple[str, str]]:
+    """(parameter of `module`, another name of the same tensor outside it) pairs: the ties replacing it breaks.
+    holders: id(parameter) -> every name the model reaches it under."""
+    own = {f"{name}.{pname}" for name in names for pname, _ in module.named_parameters(remove_duplicate=False)}
+    return [(f"{names[0]}.{pname}", other) for pname, p in module.named_parameters()
+            for other in holders[id(p)] if other not in own]
+
+
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
-    selecting layers to keep in floating point."""
+    selecting layers to keep in floating point.
+
+    A module used at several places (one nn.Linear instance applied twice) is quantized once and the same
+    replacement is installed at every place, so they stay shared; it is kept float if any of its names is skipped.
+    A parameter tied to another module's (a transformers lm_head whose weight is the input embedding's, with
+    tie_word_embeddings) cannot stay tied to an int8 copy: quantizing that layer unties them, with a warning; the
+    other module (the embedding) keeps the float tensor unchanged. Skip the layer (skip=["lm_head"]) to keep the tie.
+    Once untied, model.get_output_embeddings() returns the W8A8Linear, which has no float `weight`: reading it
+    raises AttributeError and assigning one (model.tie_weights(), resize_token_embeddings) raises ValueError."""
     if isinstance(skip, str):
         skip = [skip]
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if (isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None)
-        and not _skipped(skip, name, module)
-    ]
-    for name, module in targets:
-        if not name:
+    places: Dict[torch.nn.Module, List[str]] = {}  # module -> every name it is used under (modules hash by identity)
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None:
+            places.setdefault(module, []).append(name)
+    holders: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(name)
+    for module, names in places.items():
+        if any(_skipped(skip, name, module) for name in names):
+            continue
+        if "" in names:
             raise ValueError("model: is itself a Linear / experts module; use W8A8Linear.from_linear or "
                              "W8A8Experts.from_experts instead")
+        for tied, other in _tied_elsewhere(holders, names, module):
+            warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets an "
+                          f"int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie.", stacklevel=2)
         replacement = (W8A8Linear.from_linear(module) if isinstance(module, torch.nn.Linear)
                        else W8A8Experts.from_experts(module))
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
     return model
 
 

@@ -62,10 +62,6 @@ CASES = [
     ("x scalar", lambda d: fused(d, x=torch.tensor(1.0)), "x: expected at least 1 dimension"),
     ("x non-contiguous last dim", lambda d: fused(d, x=torch.zeros(K, M).t()), "x: last dimension"),
     ("x K mismatch", lambda d: fused(d, x=d["x"][:, :10]), "w: K mismatch"),
-    ("x NaN", lambda d: fused(d, x=d["x"].index_fill(1, torch.tensor([3]), float("nan"))), "x: row 0 contains NaN"),
-    ("x Inf", lambda d: fused(d, x=d["x"].index_fill(0, torch.tensor([2]), float("inf"))), "x: row 2 contains NaN or Inf"),
-    ("quant NaN bf16", lambda d: w8a8_cpu.per_token_quant_int8(
-        torch.tensor([[1.0, float("-inf")]], dtype=torch.bfloat16)), "x: row 0 contains NaN or Inf"),
     ("quant 3-D", lambda d: w8a8_cpu.per_token_quant_int8(d["x"][None]), "x: expected a 2-D"),
     ("quant int", lambda d: w8a8_cpu.per_token_quant_int8(d["x_q"]), "x: dtype must be"),
     ("pack float", lambda d: w8a8_cpu.pack_weight(d["w"].float()), "w: dtype must be int8"),
@@ -99,5 +95,5 @@ def test_non_cpu_tensor_rejected(good):
 
 def test_bad_input_leaves_variant_usable(good):
     with pytest.raises(ValueError):
-        fused(good, x=good["x"].index_fill(1, torch.tensor([0]), float("nan")))
+        fused(good, x=good["x"][:, :10])
     assert torch.isfinite(fused(good)).all()

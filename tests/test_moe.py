@@ -147,8 +147,6 @@ BAD = [
     ("w2_scale shape", lambda a: run(a, w2_scale=a["w2_scale"][:, :10]), "w2_scale: expected shape [4, 64]"),
     ("hidden int", lambda a: run(a, hidden=a["w13"][0]), "hidden: dtype must be"),
     ("hidden 3-D", lambda a: run(a, hidden=a["hidden"][None]), "hidden: expected a 2-D"),
-    ("hidden NaN", lambda a: run(a, hidden=a["hidden"].index_fill(0, torch.tensor([3]), float("nan"))),
-     "hidden: row 3 contains NaN or Inf"),
     ("activation", lambda a: run(a, activation="gelu"), "activation: only 'silu' is supported, got 'gelu'"),
     ("on input topk 2", lambda a: run(a, on_input=True), "apply_router_weight_on_input: requires topk == 1"),
     ("packed wrong shape", lambda a: run(a, w13=w8a8_cpu.pack_moe_weights(a["w2"], a["w2"])[0]),

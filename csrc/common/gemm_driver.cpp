@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -272,6 +273,8 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
       const void* row = element_at(x, kind, r * ldx);
       const uint32_t amax_bits = kernel.row_absmax_bits(row, kind, k);
       if (amax_bits >= 0x7f800000u) {
+        scales[r] = std::numeric_limits<float>::quiet_NaN();
+        std::memset(q + r * ldq, 0, static_cast<size_t>(k));
         int64_t seen = first_bad.load();
         while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
         }

@@ -85,7 +85,9 @@ uint32_t packed_weight_checksum(const uint8_t* blob, int64_t nbytes);
 
 // Per-token symmetric quantization of x [m, k] (rows ldx elements apart) into q (rows ldq apart) and
 // scales [m]: scale = max(amax, kAmaxEps) / 127, q = clamp(round_half_even(x * (127 / amax)), -127, 127).
-// Returns the first row holding NaN or Inf (left unquantized), or -1 when all rows are finite.
+// A row holding NaN or Inf gets scale NaN and q all 0, so every product with it is NaN: like nn.Linear, a non-finite
+// activation row gives a non-finite output row and leaves the other rows exact (one bad request must not fail a
+// whole batch). Returns the first such row (callers in strict mode reject it), or -1 when all rows are finite.
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for);
 

@@ -133,7 +133,7 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
 
   // Quantize each token once; gather its packed A row to every position routed to it.
   const int64_t bad = quantize_rows(kernel, p.x, p.x_kind, p.tokens, p.hidden, p.ldx, hq, p.hidden, hs, parallel_for);
-  if (bad >= 0) throw_non_finite(bad, "hidden: row ");
+  if (bad >= 0 && p.reject_non_finite) throw_non_finite(bad, "hidden: row ");
   const PackedWeightView& w13_any = p.w13[0];
   const int64_t a1_stride = packed_a_stride(kernel, w13_any.header.k_padded);
   parallel_for(0, pairs, std::max<int64_t>(1, 65536 / a1_stride), [&](int64_t q0, int64_t q1) {
@@ -160,7 +160,7 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
   });
   const int64_t bad_act = quantize_rows(kernel, gate_up, FloatKind::f32, pairs, inter, 2 * inter, aq, inter, s2,
                                         parallel_for);
-  if (bad_act >= 0) throw_non_finite(order[bad_act] / p.topk, "intermediate activation of token ");
+  if (bad_act >= 0 && p.reject_non_finite) throw_non_finite(order[bad_act] / p.topk, "intermediate activation of token ");
   const int64_t a2_stride = packed_a_stride(kernel, p.w2[0].header.k_padded);
   pack_a_rows(kernel, aq, pairs, inter, inter, p.w2[0].header.k_padded, a2, parallel_for);
 

@@ -21,6 +21,7 @@ struct MoeProblem {
   const float* w2_scales;           // [experts, hidden]
   void* out;                        // [tokens, hidden], contiguous
   FloatKind out_kind;
+  bool reject_non_finite;           // strict mode: a NaN/Inf hidden or intermediate row throws
 };
 
 int64_t moe_scratch_nbytes(const MicroKernel& kernel, const MoeProblem& p);
@@ -31,7 +32,8 @@ int64_t moe_scratch_nbytes(const MicroKernel& kernel, const MoeProblem& p);
 //   down    = (q(act) . w2[e]^T) * scales         (act re-quantized per row)
 //   out[t] += topk_weights[t, k] * down          (k = 0, 1, ... in order; one cast at the end)
 // q() is the per-token quantization of quantize_rows. Results do not depend on the thread count or the
-// variant (given its exact int32). Throws std::invalid_argument for out-of-range ids or non-finite rows.
+// variant (given its exact int32). A NaN/Inf row of x (or of a token's intermediate activation) makes that token's
+// output row NaN (quantize_rows), or throws std::invalid_argument when p.reject_non_finite; out-of-range ids throw.
 void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch, const ParallelFor& parallel_for);
 
 // silu(gate) * up for n elements, in place into gate. Shared by the driver and the tests.

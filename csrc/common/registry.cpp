@@ -99,12 +99,17 @@ std::atomic<const MicroKernel*>& active_slot() {
   return slot;
 }
 
+thread_local const MicroKernel* t_override = nullptr;
+
 }  // namespace
 
-const MicroKernel& active_kernel() { return *active_slot().load(std::memory_order_acquire); }
+const MicroKernel& active_kernel() { return t_override ? *t_override : *active_slot().load(std::memory_order_acquire); }
 
-void set_active_kernel(const std::string& name) {
-  active_slot().store(&checked_kernel(name, "variant"), std::memory_order_release);
+std::string set_thread_kernel(const std::string& name) {
+  const MicroKernel* next = name.empty() ? nullptr : &checked_kernel(name, "variant");
+  std::string previous = t_override ? t_override->name : "";
+  t_override = next;
+  return previous;
 }
 
 }  // namespace w8a8_cpu

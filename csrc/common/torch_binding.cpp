@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <iterator>
 #include <mutex>
 #include <sstream>
@@ -262,6 +263,16 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at:
   return out;
 }
 
+// Strict mode, W8A8_CPU_CHECK_FINITE=1 (read once): a NaN/Inf activation row raises instead of giving a NaN output
+// row (quantize_rows). Off by default, as nn.Linear: one bad request must not fail a whole serving batch.
+bool reject_non_finite() {
+  static const bool strict = [] {
+    const char* v = std::getenv("W8A8_CPU_CHECK_FINITE");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return strict;
+}
+
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d) {
   const FloatKind kind = float_kind(x2d.scalar_type(), "x");
   const int64_t m = x2d.size(0), k = x2d.size(1);
@@ -269,8 +280,8 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d) {
   auto scales = at::empty({m, 1}, x2d.options().dtype(at::kFloat));
   const int64_t bad = quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(),
                                     k, scales.data_ptr<float>(), kTorchParallelFor);
-  TORCH_CHECK_VALUE(bad < 0, "x: row ", bad,
-                    " contains NaN or Inf; per-token int8 quantization needs finite activations");
+  TORCH_CHECK_VALUE(bad < 0 || !reject_non_finite(), "x: row ", bad, " contains NaN or Inf (rejected because "
+                    "W8A8_CPU_CHECK_FINITE=1; without it the row's output is NaN and the other rows are exact)");
   return {q, scales};
 }
 
@@ -417,7 +428,7 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
   const MicroKernel& kernel = active_kernel();
   MoeProblem p{m, h, inter2 / 2, experts, topk, x.data_ptr(), float_kind(x.scalar_type(), "hidden"), x.stride(0),
                weights.data_ptr<float>(), ids.data_ptr<int64_t>(), v13.data(), s13.data_ptr<float>(), v2.data(),
-               s2.data_ptr<float>(), out.data_ptr(), kind};
+               s2.data_ptr<float>(), out.data_ptr(), kind, reject_non_finite()};
   as_value_errors([&] {
     fused_experts(kernel, p, scratch_buffer(moe_scratch_nbytes(kernel, p)).data_ptr(), kTorchParallelFor);
     return 0;
@@ -447,11 +458,8 @@ std::string info_op() {
   return s.str();
 }
 
-void set_variant_op(const std::string& name) {
-  as_value_errors([&] {
-    set_active_kernel(name);
-    return 0;
-  });
+std::string set_variant_op(const std::string& name) {
+  return as_value_errors([&] { return set_thread_kernel(name); });
 }
 
 }  // namespace
@@ -471,7 +479,7 @@ TORCH_LIBRARY(w8a8_cpu, m) {
       "Tensor w2_scale, str activation='silu', bool apply_router_weight_on_input=False) -> Tensor");
   m.def("_verify_packed_weight(Tensor blob) -> ()");
   m.def("_info() -> str", &w8a8_cpu::info_op);
-  m.def("_set_variant(str name) -> ()", &w8a8_cpu::set_variant_op);
+  m.def("_set_variant(str name) -> str", &w8a8_cpu::set_variant_op);
 }
 
 TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {

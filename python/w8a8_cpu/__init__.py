@@ -59,11 +59,9 @@ def info() -> dict:
 
 @contextlib.contextmanager
 def use_variant(name: str) -> Iterator[None]:
-    """Run ops on variant `name` ("ref", "avx2", ...) inside the block, then restore the previous one.
-
-    Process-wide: do not switch variants while other threads run w8a8_cpu ops."""
-    previous = info()["selected_variant"]
-    _ops._set_variant(name)
+    """Run ops called from this thread on variant `name` ("ref", "avx2", ...) inside the block, then restore the
+    thread's previous choice. Thread-local: other threads keep their own variant; blocks nest."""
+    previous = _ops._set_variant(name)
     try:
         yield
     finally:
@@ -78,7 +76,8 @@ def _require_tensors(**tensors: object) -> None:
 
 
 def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). NaN/Inf in x raise ValueError.
+    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). A NaN/Inf row gets scale NaN and q = 0
+    (so its matmul output row is NaN), or raises ValueError under W8A8_CPU_CHECK_FINITE=1.
 
     No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
     _require_tensors(x=x)

@@ -3,7 +3,7 @@
 Each fake kernel first validates its inputs the way the C++ op does (csrc/common/torch_binding.cpp; the helpers
 below mirror its helpers and messages), so tracing raises the same ValueError as running would, instead of
 inventing an output for inputs the op rejects. Only what the metadata shows can be checked here: dtypes, shapes,
-strides, devices. Checks that read data (NaN/Inf activations, topk_ids in range, a packed blob's header: its
+strides, devices. Checks that read data (NaN/Inf activations in strict mode, topk_ids in range, a packed blob's header: its
 magic, N and K) are the real op's alone."""
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ int run_moe_tests(const std::vector<const MicroKernel*>& kernels, uint64_t seed)
       std::vector<float> out(c.m * c.h);
       const MoeProblem p{c.m,          c.h,        c.inter,   c.experts, c.topk,    x.data(),
                          FloatKind::f32, c.h,      weights.data(), ids.data(), v13.data(), s13.data(),
-                         v2.data(),    s2.data(),  out.data(), FloatKind::f32};
+                         v2.data(),    s2.data(),  out.data(), FloatKind::f32, true};
       std::vector<uint8_t> scratch(moe_scratch_nbytes(*kern, p));
       fused_experts(*kern, p, scratch.data(), serial_for);
       const bool same = std::memcmp(out.data(), want.data(), out.size() * 4) == 0;

@@ -28,6 +28,15 @@ class _Fp32Scales(torch.nn.Module):
         return self
 
 
+def _finite_fp32(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A weight-side tensor (scales, bias) as contiguous fp32; NaN/Inf there is a bug in the weights, rejected where
+    the layer is built (non-finite activations follow nn.Linear instead: NaN rows out)."""
+    t32 = t.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(t32).all():
+        raise ValueError(f"{name}: contains NaN or Inf")
+    return t32
+
+
 class W8A8Linear(_Fp32Scales):
     """Linear layer with int8 weights (one fp32 scale per output channel) and per-token int8 activations.
 
@@ -51,8 +60,8 @@ class W8A8Linear(_Fp32Scales):
             raise ValueError(f"w_q: expected int8 [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
         self.out_features, self.in_features = w_q.shape
         self.register_buffer("weight_packed", pack_weight(w_q.contiguous()))
-        self.register_buffer("w_scale", w_scale.detach().to(torch.float32).reshape(-1).contiguous())
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous())
+        self.register_buffer("w_scale", _finite_fp32(w_scale, "w_scale").reshape(-1))
+        self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "W8A8Linear":
@@ -101,8 +110,8 @@ class W8A8MoE(_Fp32Scales):
         w13_packed, w2_packed = pack_moe_weights(w13_q, w2_q)
         self.register_buffer("w13_packed", w13_packed)
         self.register_buffer("w2_packed", w2_packed)
-        self.register_buffer("w13_scale", w13_scale.detach().to(torch.float32).reshape(self.num_experts, -1))
-        self.register_buffer("w2_scale", w2_scale.detach().to(torch.float32).reshape(self.num_experts, -1))
+        self.register_buffer("w13_scale", _finite_fp32(w13_scale, "w13_scale").reshape(self.num_experts, -1))
+        self.register_buffer("w2_scale", _finite_fp32(w2_scale, "w2_scale").reshape(self.num_experts, -1))
 
     @staticmethod
     def _quantize_experts(w: torch.Tensor):
@@ -174,8 +183,8 @@ class W8A8Experts(_Fp32Scales):
         w13_packed, w2_packed = pack_moe_weights(w13_q, w2_q)
         self.register_buffer("w13_packed", w13_packed)
         self.register_buffer("w2_packed", w2_packed)
-        self.register_buffer("w13_scale", w13_scale.detach().to(torch.float32).reshape(self.num_experts, inter2))
-        self.register_buffer("w2_scale", w2_scale.detach().to(torch.float32).reshape(self.num_experts,
+        self.register_buffer("w13_scale", _finite_fp32(w13_scale, "w13_scale").reshape(self.num_experts, inter2))
+        self.register_buffer("w2_scale", _finite_fp32(w2_scale, "w2_scale").reshape(self.num_experts,
                                                                                      self.hidden_dim))
 
     @classmethod

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README). Stages, each must pass:
 #   1. install the Debian packages (if missing) and Python test dependencies, build and install the package;
-#   2. native C++ kernel tests (every variant this CPU runs) and pytest;
+#   2. native C++ kernel tests (every variant this CPU runs) and pytest; then the same kernel tests and the
+#      bad-input / fuzz pytest subset against an ASan + UBSan build (ci/sanitize.sh);
 #   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv);
 #   4. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
 #   5. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
@@ -45,6 +46,9 @@ ctest --test-dir build/kernel-tests --output-on-failure -V |
 
 section "pytest (native)"
 python3 -m pytest tests -q -p no:cacheprovider
+
+section "sanitizers: ASan + UBSan build, C++ kernel tests and the bad-input / fuzz pytest subset"
+bash ci/sanitize.sh
 
 section "wheel: build, auditwheel repair, fresh venv, packaged tests"
 bash ci/wheels/check.sh

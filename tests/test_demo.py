@@ -9,18 +9,14 @@ import subprocess
 
 import pytest
 
-from conftest import python_command
+from conftest import python_command, require_optional
 from w8a8_cpu import __main__ as cli
 from w8a8_cpu import demo
 
 
 
 def _require_demo_extra():
-    if demo.available():
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes") and not os.environ.get("W8A8_CPU_TEST_EMULATOR"):
-        pytest.fail(f"CI must install the demo extra for the demo test: {demo.INSTALL_HINT}")
-    pytest.skip(f"demo extra not installed: {demo.INSTALL_HINT}")
+    require_optional(demo.available(), demo.INSTALL_HINT)
 
 
 @pytest.mark.slow_under_emulation

@@ -15,18 +15,14 @@ import pytest
 import torch
 
 import w8a8_cpu
-from conftest import python_command
+from conftest import python_command, require_optional
 from w8a8_cpu.llm import smollm2
 
 pytestmark = pytest.mark.slow_under_emulation
 
 
 def _require_model():
-    if smollm2.available():
-        return
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes") and not os.environ.get("W8A8_CPU_TEST_EMULATOR"):
-        pytest.fail(f"CI must install the LLM for these tests: {smollm2.INSTALL_HINT}")
-    pytest.skip(f"SmolLM2 not installed: {smollm2.INSTALL_HINT}")
+    require_optional(smollm2.available(), smollm2.INSTALL_HINT)
 
 
 @pytest.fixture(scope="module")

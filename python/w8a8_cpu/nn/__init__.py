@@ -83,7 +83,7 @@ class W8A8Linear(_Fp32Scales):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tracked = [t for t in (x, self.w_scale, self.bias) if isinstance(t, torch.Tensor) and t.requires_grad]
         if isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
-                and not torch.compiler.is_compiling():
+                and not _is_compiling():
             # No gradient wanted (e.g. generation under no_grad): go below the Python autograd kernel, which costs
             # ~8 us per call there (a decoder LLM makes ~200 such calls per token). The op validates its inputs.
             with torch._C._AutoDispatchBelowAutograd():
@@ -228,11 +228,25 @@ def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 
 
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)  # torch < 2.1 has no torch.compiler (and compiles nothing of ours)
+    return compiler is not None and compiler.is_compiling()
+
+
+def _all_named_parameters(module: torch.nn.Module):
+    """Every (name, parameter), a shared one under each of its names (named_parameters(remove_duplicate=False)
+    needs torch >= 2.0; the ppc64le CI runs Debian's torch 1.13)."""
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for pname, p in owner._parameters.items():
+            if p is not None:
+                yield (f"{owner_name}.{pname}" if owner_name else pname), p
+
+
 def _tied_elsewhere(holders: Dict[int, List[str]], names: List[str],
                     module: torch.nn.Module) -> List[Tuple[str, str]]:
     """(parameter of `module`, another name of the same tensor outside it) pairs: the ties replacing it breaks.
     holders: id(parameter) -> every name the model reaches it under."""
-    own = {f"{name}.{pname}" for name in names for pname, _ in module.named_parameters(remove_duplicate=False)}
+    own = {f"{name}.{pname}" for name in names for pname, _ in _all_named_parameters(module)}
     return [(f"{names[0]}.{pname}", other) for pname, p in module.named_parameters()
             for other in holders[id(p)] if other not in own]
 
@@ -258,7 +272,7 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Mo
         if isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None:
             places.setdefault(module, []).append(name)
     holders: Dict[int, List[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in _all_named_parameters(model):
         holders.setdefault(id(p), []).append(name)
     for module, names in places.items():
         if any(_skipped(skip, name, module) for name in names):

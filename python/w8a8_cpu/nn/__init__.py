@@ -82,7 +82,7 @@ class W8A8Linear(_Fp32Scales):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tracked = [t for t in (x, self.w_scale, self.bias) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
+        if _PYTHON_AUTOGRAD_KERNEL and isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
                 and not _is_compiling():
             # No gradient wanted (e.g. generation under no_grad): go below the Python autograd kernel, which costs
             # ~8 us per call there (a decoder LLM makes ~200 such calls per token). The op validates its inputs.
@@ -226,6 +226,11 @@ def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     if callable(skip):
         return bool(skip(name, module))
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+
+
+# Whether the ops have autograd formulas registered from Python (torch >= 2.4, w8a8_cpu._autograd); older torch
+# has neither them nor a context-manager _AutoDispatchBelowAutograd, and needs no detour.
+_PYTHON_AUTOGRAD_KERNEL = hasattr(torch.library, "register_autograd")
 
 
 def _is_compiling() -> bool:

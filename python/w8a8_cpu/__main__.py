@@ -207,12 +207,19 @@ def _run_llm(args, parser) -> int:
     result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
                      calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens,
                      bench=not args.no_bench, show_progress=not args.no_progress)
-    job.print_report(result)
-    if args.json:
+    return _report(result, job.print_report, args.json,
+                   lambda r: f"llm FAILED: W8A8 (SmoothQuant) perplexity {r['ppl_increase_percent']:+.2f}% above "
+                             f"fp32 (gate +{job.PPL_GATE_PERCENT}%)")
+
+
+def _report(result: dict, print_report, as_json: bool, failure) -> int:
+    """A real-model job's ending: its report, optionally the JSON line, and exit status 1 with `failure(result)` on
+    stderr when its accuracy gate failed."""
+    print_report(result)
+    if as_json:
         print(json.dumps(result))
     if not result["ok"]:
-        print(f"llm FAILED: W8A8 (SmoothQuant) perplexity {result['ppl_increase_percent']:+.2f}% above fp32 "
-              f"(gate +{job.PPL_GATE_PERCENT}%)", file=sys.stderr)
+        print(failure(result), file=sys.stderr)
         return 1
     return 0
 
@@ -228,14 +235,9 @@ def _run_demo(args, parser) -> int:
         print(f"python -m w8a8_cpu demo needs the demo extra: {demo.INSTALL_HINT}", file=sys.stderr)
         return 2
     result = demo.run(iters=args.iters, bench=not args.no_bench)
-    demo.print_report(result)
-    if args.json:
-        print(json.dumps(result))
-    if not result["ok"]:
-        print(f"demo FAILED: W8A8 embeddings below the accuracy threshold (mean cosine {result['cosine_mean']:.5f}, "
-              f"min {result['cosine_min']:.5f})", file=sys.stderr)
-        return 1
-    return 0
+    return _report(result, demo.print_report, args.json,
+                   lambda r: f"demo FAILED: W8A8 embeddings below the accuracy threshold (mean cosine "
+                             f"{r['cosine_mean']:.5f}, min {r['cosine_min']:.5f})")
 
 
 def _run_check(args, parser) -> int:

@@ -125,8 +125,12 @@ def _moe_backward(ctx, grad_out):
     return grad_hidden, None, None, grad_weights, None, None, None, None, None
 
 
+# Whether this torch can register the formulas (torch >= 2.4); without them the ops have no Python autograd kernel.
+AVAILABLE = hasattr(torch.library, "register_autograd")
+
+
 def register() -> None:
-    if not hasattr(torch.library, "register_autograd"):
+    if not AVAILABLE:
         return
     for name, fn, fake in (("_dequantized_weight", _dequantized_weight, _dequantized_weight_fake),
                            ("_fused_experts_backward", _fused_experts_backward, _fused_experts_backward_fake)):

@@ -7,7 +7,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .. import fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight, unpack_weight
+from .. import (_autograd, fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight,
+                unpack_weight)
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
@@ -82,7 +83,9 @@ class W8A8Linear(_Fp32Scales):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tracked = [t for t in (x, self.w_scale, self.bias) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if _PYTHON_AUTOGRAD_KERNEL and isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
+        # Older torch (no Python autograd kernels, _autograd.AVAILABLE false) needs no detour, and its
+        # _AutoDispatchBelowAutograd is no context manager.
+        if _autograd.AVAILABLE and isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
                 and not _is_compiling():
             # No gradient wanted (e.g. generation under no_grad): go below the Python autograd kernel, which costs
             # ~8 us per call there (a decoder LLM makes ~200 such calls per token). The op validates its inputs.
@@ -226,11 +229,6 @@ def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
     if callable(skip):
         return bool(skip(name, module))
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in skip)
-
-
-# Whether the ops have autograd formulas registered from Python (torch >= 2.4, w8a8_cpu._autograd); older torch
-# has neither them nor a context-manager _AutoDispatchBelowAutograd, and needs no detour.
-_PYTHON_AUTOGRAD_KERNEL = hasattr(torch.library, "register_autograd")
 
 
 def _is_compiling() -> bool:

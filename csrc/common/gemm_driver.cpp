@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cpu_features.h"
+#include "ref_kernel.h"
 
 namespace w8a8_cpu {
 
@@ -83,6 +84,12 @@ PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, const 
                                 "] weight is outside the packed weight format (1 <= N <= " +
                                 std::to_string(kMaxPackedN) + ", 1 <= K <= " + std::to_string(kMaxK) + ")");
   return sizes;
+}
+
+bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
+  for (int64_t r = 0; r < m; ++r)
+    if (std::memchr(a + r * lda, 0x80, static_cast<size_t>(k)) != nullptr) return true;
+  return false;
 }
 
 [[noreturn]] void throw_corrupted(const char* arg, const std::string& what) {
@@ -292,7 +299,8 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
 }
 
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
-  return m * packed_a_stride(kernel, k_padded);
+  const int64_t own = m * packed_a_stride(kernel, k_padded);
+  return kernel.a_excludes_int8_min ? std::max(own, gemm_scratch_nbytes(kRefKernel, m, k_padded)) : own;
 }
 
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
@@ -357,6 +365,8 @@ void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, co
   check_kernel_reads(kernel, w, "w");
   const PackedWeightHeader& h = w.header;
   if (m == 0 || h.n == 0) return;
+  if (kernel.a_excludes_int8_min && holds_int8_min(a, m, lda, h.k))
+    return gemm(kRefKernel, a, m, lda, a_scales, w, w_scales, bias, out, out_kind, ldo, scratch, parallel_for);
 
   // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
   auto* a_packed = static_cast<uint8_t*>(scratch);

@@ -50,6 +50,10 @@ struct MicroKernel {
 
   // q[k] = clamp(round_half_even(x[k] * inv_scale), -127, 127). Identical in every variant.
   void (*quantize_row)(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
+
+  // True when the tile is exact only for A in [-127, 127] (every weight allowed): quantize_rows never produces -128,
+  // and gemm() sends a caller's A that holds -128 to the reference tile instead (exact, slower).
+  bool a_excludes_int8_min = false;
 };
 
 // Bytes per element of `kind`, and the address of element i. `static`: every TU, ISA-flagged ones included, gets

@@ -1,9 +1,13 @@
 // AVX2 variant (Haswell / Zen and later; needs AVX2 + FMA + F16C). Compiled with -mavx2 -mfma -mf16c.
 //
-// Exactness: vpmaddubsw (u8 x s8 -> saturating int16 pair sums) can saturate, so this variant sign-extends
-// both operands to int16 and uses vpmaddwd, whose int16 x int16 pair sums into int32 are exact for every
-// int8 input (including -128). A rows are packed as int16 once per call; weights stay int8 in the shared
-// [k/4][nr][4] panel layout and are widened on load.
+// Exactness: vpmaddubsw multiplies unsigned x signed bytes and adds adjacent pairs into a *saturating* int16,
+// which is why ONNX Runtime and fbgemm need 7-bit operands (reduce_range) on CPUs without VNNI. Here the unsigned
+// operand is |w| (0..128, -128 included) and the signed one is a * sign(w) (vpsignb), so each product keeps its
+// sign and value, and a pair sum is at most 2 * 128 * 127 = 32512 < 32767: never saturates, for every weight, as
+// long as a >= -127 (vpsignb cannot negate -128). The driver's per-token quantizer only produces [-127, 127]; a
+// caller's A holding -128 goes to the reference tile (gemm(), a_excludes_int8_min). vpmaddwd with ones
+// then sums the pairs into int32, 32 multiply-adds per two multiplier instructions, all 16 channels of a
+// panel in one pass (two int32 accumulators per row, no horizontal adds).
 #include <immintrin.h>
 
 #include <cstring>
@@ -19,55 +23,44 @@ constexpr int kNr = 16;  // shared x86 panel width (one zmm of vpdpbusd in the V
 constexpr int kMr = 4;
 constexpr int kPrefetchBytes = 8192;
 
-void pack_a_row_int16(const int8_t* a, int64_t k, int64_t k_padded, void* dst) {
-  auto* out = static_cast<int16_t*>(dst);
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + i))));
-  for (; i < k; ++i) out[i] = a[i];
-  for (; i < k_padded; ++i) out[i] = 0;
-}
-
-// One k-group of 4 for 4 channels is 16 bytes; widened, each int32 lane of vpmaddwd holds one channel's
-// partial sum over k-pair (0,1) or (2,3). The two halves are added with vphaddd at the end.
+// One k group of a panel is 64 bytes: channels 0-7 x 4 k, then channels 8-15 x 4 k. Each int32 lane of the
+// products is one channel's sum over the group's 4 k.
 template <int M>
-void tile_half(const int16_t* a, size_t a_stride_elems, const int8_t* panel, int64_t k_padded, int half,
-               int32_t* c) {
+void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t k_padded, int32_t* c) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[M][2];
+  // Fully unrolled so the accumulators live in registers (GCC 12 at -O2 keeps a rolled loop's array in memory).
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  const int8_t* b = panel + half * 32;
+  const int8_t* b = panel;
   for (int64_t k = 0; k < k_padded; k += 4, b += kNr * 4) {
-    // Into L2, 8 KiB ahead, on the first of the two passes (why and how far: see the VNNI variant).
-    if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBytes), _MM_HINT_T1);
-    const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-    const __m256i b1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    // Into L2, 8 KiB ahead (why and how far: see the VNNI variant).
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBytes), _MM_HINT_T1);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
+    const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      int64_t a4;
-      std::memcpy(&a4, a + i * a_stride_elems + k, 8);
-      const __m256i av = _mm256_set1_epi64x(a4);
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(av, b0));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(av, b1));
+      int32_t a4;
+      std::memcpy(&a4, a + i * stride + k, 4);
+      const __m256i av = _mm256_set1_epi32(a4);
+      const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(av, w0));
+      const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(av, w1));
+      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(p0, ones));
+      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(p1, ones));
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) {
-    // hadd gives [c0 c1 c4 c5 | c2 c3 c6 c7]; the permute restores channel order.
-    const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[i][0], acc[i][1]), 0xd8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kNr + half * 8), sums);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kNr), acc[i][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kNr + 8), acc[i][1]);
   }
-}
-
-template <int M>
-void tile_rows(const int16_t* a, size_t stride, const int8_t* panel, int64_t k_padded, int32_t* c) {
-  tile_half<M>(a, stride, panel, k_padded, 0, c);
-  tile_half<M>(a, stride, panel, k_padded, 1, c);
 }
 
 void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout,
                int64_t k_padded, int32_t* c) {
-  const auto* a16 = static_cast<const int16_t*>(a);
-  const size_t stride = a_row_stride / sizeof(int16_t);
-  with_row_count<4>(m, [&](auto rows) { tile_rows<decltype(rows)::value>(a16, stride, panel, k_padded, c); });
+  const auto* a8 = static_cast<const int8_t*>(a);
+  with_row_count<kMr>(m, [&](auto rows) { tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, k_padded, c); });
 }
 
 // Loads 8 elements as fp32 (bf16: shift into the high half; fp16: F16C, exact).
@@ -128,11 +121,12 @@ const MicroKernel kAvx2Kernel = {
     /*layout=*/{kNr, 4},
     /*reads_any_layout=*/false,
     /*mr=*/kMr,
-    /*a_elem_bytes=*/sizeof(int16_t),
-    pack_a_row_int16,
+    /*a_elem_bytes=*/1,
+    ref_pack_a_row,
     avx2_tile,
     avx2_row_absmax_bits,
     avx2_quantize_row,
+    /*a_excludes_int8_min=*/true,
 };
 
 }  // namespace w8a8_cpu

@@ -110,11 +110,14 @@ std::vector<Shape> sweep_shapes(std::mt19937_64& rng, int count) {
   return shapes;
 }
 
+// Smallest A value the variant's tile takes (gemm() sends -128 elsewhere for the others: test_driver_int8_min).
+int a_min(const MicroKernel& kern) { return kern.a_excludes_int8_min ? -127 : -128; }
+
 void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
   std::mt19937_64 rng(seed);
   int64_t mismatches = 0;
   for (const Shape& s : shapes) {
-    const auto a = random_int8(rng, s.m * s.k, -128, 127), w = random_int8(rng, s.n * s.k, -128, 127);
+    const auto a = random_int8(rng, s.m * s.k, a_min(kern), 127), w = random_int8(rng, s.n * s.k, -128, 127);
     const auto want = reference_matmul(a, w, s);
     const auto got = kernel_matmul(kern, a, w, s);
     for (int64_t i = 0; i < s.m * s.n; ++i)
@@ -130,7 +133,7 @@ void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes
 // Extremes at the largest allowed K: every product +-2^14 must accumulate without int32 overflow.
 void test_extreme_k(const MicroKernel& kern) {
   const Shape s{2, 3, kMaxK};
-  std::vector<int8_t> a(s.m * s.k, -128), w(s.n * s.k, -128);
+  std::vector<int8_t> a(s.m * s.k, static_cast<int8_t>(a_min(kern))), w(s.n * s.k, -128);
   for (int64_t k = 0; k < s.k; ++k) a[s.k + k] = 127;  // row 1: 127 * -128
   for (int64_t k = 0; k < s.k; ++k) w[2 * s.k + k] = 127;  // col 2: mixed
   const auto want = reference_matmul(a, w, s);
@@ -207,13 +210,14 @@ uint64_t fnv1a_int32(const std::vector<int32_t>& v) {
 }
 
 // Shared test vectors: the int32 accumulators of one fixed 13x77x1000 problem hash to the same constant on
-// every arch (x86_64, aarch64, ppc64le) and in every variant. The constant was computed with the ref variant.
-constexpr uint64_t kSharedVectorsHash = 0x9dbf4aee829f5ed7ull;
+// every arch (x86_64, aarch64, ppc64le) and in every variant. The constant was computed with the ref variant
+// (A in [-127, 127] since the AVX2 tile's vpsignb trick, see a_excludes_int8_min).
+constexpr uint64_t kSharedVectorsHash = 0x5324385a12969a69ull;
 void test_shared_vectors(const MicroKernel& kern) {
   const Shape s{13, 77, 1000};
   SplitMix64 gen{0x5738a8c0ffee2026ull};
   std::vector<int8_t> a(s.m * s.k), w(s.n * s.k);
-  for (auto& x : a) x = gen.next_int8();
+  for (auto& x : a) x = std::max<int8_t>(gen.next_int8(), -127);  // A as the quantizer makes it; W all of int8
   for (auto& x : w) x = gen.next_int8();
   const uint64_t got = fnv1a_int32(kernel_matmul(kern, a, w, s));
   CHECK(got == kSharedVectorsHash, "%s: shared test vectors hash 0x%016" PRIx64 ", expected 0x%016" PRIx64,
@@ -248,6 +252,27 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
           kernels.front()->name);
   }
   std::printf("  driver output bit-identical across %zu variants\n", kernels.size());
+}
+
+// Through the driver every variant takes all of int8 in A and W: a caller's A holding -128 (never produced by the
+// quantizer) reaches variants whose tile excludes it through gemm()'s fallback; -128 weights reach every tile.
+void test_driver_int8_min(const MicroKernel& kern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const Shape s{6, 37, 515};
+  auto a = random_int8(rng, s.m * s.k, -128, 127), w = random_int8(rng, s.n * s.k, -128, 127);
+  a[3 * s.k + 100] = -128;
+  w[5 * s.k + 7] = -128;
+  const auto want = reference_matmul(a, w, s);
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout, "w"));
+  pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
+  std::vector<uint8_t> scratch(gemm_scratch_nbytes(kern, s.m, blob_k_padded(blob)));
+  std::vector<float> ones_m(s.m, 1.f), ones_n(s.n, 1.f), out(s.m * s.n);
+  gemm(kern, a.data(), s.m, s.k, ones_m.data(), view_packed_weight(blob.data(), blob.size(), "w"), ones_n.data(),
+       nullptr, out.data(), FloatKind::f32, s.n, scratch.data(), serial_for);
+  int64_t mismatches = 0;  // |acc| < 2^24 here, so float(acc) * 1 * 1 is exact
+  for (int64_t i = 0; i < s.m * s.n; ++i) mismatches += out[i] != static_cast<float>(want[i]);
+  CHECK(mismatches == 0, "%s: driver with -128 in A and W: %" PRId64 " mismatches", kern.name, mismatches);
+  std::printf("  %-12s driver, -128 in A and W: %" PRId64 " mismatches\n", kern.name, mismatches);
 }
 
 // ---- Packed weights are untrusted input: every malformed blob is rejected (std::invalid_argument) or read exactly.
@@ -458,6 +483,7 @@ int run(int argc, char** argv) {
     runnable.push_back(kern);
     test_matmul_sweep(*kern, shapes, seed);
     test_extreme_k(*kern);
+    test_driver_int8_min(*kern, seed);
     test_quantization(*kern, seed);
     test_shared_vectors(*kern);
     test_packed_weight_rejections(*kern);

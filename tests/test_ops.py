@@ -192,11 +192,45 @@ def test_large_k_exact(variant, gen):
     assert got[0, 0].item() == float(k * 16384)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["raw", "packed"])
+def test_int8_mm_and_scale_accumulators_give_int8_scaled_mm_bits(variant, packed, gen):
+    # The tensor-parallel split: exact int32 partial products over K slices, summed, then one epilogue.
+    m, n, k = 9, 37, 300
+    x_q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    x_scale = torch.rand(m, 1, generator=gen) * 0.05 + 1e-3
+    w_q, w_scale = random_weight(n, k, gen)
+    bias = torch.randn(n, generator=gen)
+    acc = w8a8_cpu.int8_mm(x_q, w8a8_cpu.pack_weight(w_q) if packed else w_q)
+    assert acc.dtype == torch.int32 and torch.equal(acc.long(), x_q.long() @ w_q.long().t())
+    parts = [w8a8_cpu.int8_mm(x_q[:, a:b].contiguous(), w_q[:, a:b].contiguous()) for a, b in ((0, 100), (100, 300))]
+    assert torch.equal(parts[0] + parts[1], acc)
+    for out_dtype in DTYPES:
+        want = w8a8_cpu.int8_scaled_mm(x_q, w_q, x_scale, w_scale, bias, out_dtype)
+        got = w8a8_cpu.scale_accumulators(acc, x_scale, w_scale, bias, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+
+
+def test_shared_amax_quantizes_slices_as_the_whole_row(variant, gen):
+    x = torch.randn(6, 300, generator=gen) * torch.linspace(0.1, 3, 300)
+    x[2] = 0  # all-zero row: the eps floor applies to the shared absmax too
+    q, s = w8a8_cpu.per_token_quant_int8(x)
+    amax = x.abs().amax(dim=1)
+    for a, b in ((0, 100), (100, 299), (299, 300)):
+        q_part, s_part = w8a8_cpu.per_token_quant_int8(x[:, a:b].contiguous(), amax)
+        assert torch.equal(q_part, q[:, a:b]) and torch.equal(s_part, s)
+    w_q, w_scale = random_weight(20, 300, gen)
+    fused = w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale, amax=amax)
+    assert torch.equal(fused, w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale))
+    with pytest.raises(ValueError, match="amax"):
+        w8a8_cpu.per_token_quant_int8(x, amax[:3])
+
+
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"),
                     reason=f"torch.library.opcheck needs torch >= 2.4 (this is torch {torch.__version__})")
 @pytest.mark.parametrize(
     "op",
-    ["per_token_quant_int8", "int8_scaled_mm", "int8_scaled_mm_with_quant", "pack_weight"],
+    ["per_token_quant_int8", "int8_scaled_mm", "int8_scaled_mm_with_quant", "pack_weight", "int8_mm",
+     "scale_accumulators"],
 )
 def test_opcheck(op, gen):
     w_q, w_scale = random_weight(24, 40, gen)
@@ -204,7 +238,9 @@ def test_opcheck(op, gen):
     x_q, x_scale = w8a8_cpu.per_token_quant_int8(x)
     packed = w8a8_cpu.pack_weight(w_q)
     args = {
-        "per_token_quant_int8": [(x,), (x.bfloat16(),)],
+        "per_token_quant_int8": [(x,), (x.bfloat16(),), (x, x.abs().amax(1) * 2)],
+        "int8_mm": [(x_q, w_q)],
+        "scale_accumulators": [(w8a8_cpu.int8_mm(x_q, w_q), x_scale, w_scale, torch.randn(24), torch.bfloat16)],
         "int8_scaled_mm": [(x_q, w_q, x_scale, w_scale, None, torch.float32),
                            (x_q, packed, x_scale, w_scale, torch.randn(24), torch.bfloat16)],
         "int8_scaled_mm_with_quant": [(x, packed, w_scale, None, None),

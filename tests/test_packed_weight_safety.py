@@ -350,9 +350,10 @@ import threading, time, torch, w8a8_cpu
 torch.set_num_threads(1)
 def rss_mib():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-# int8_scaled_mm with M = 7000, K = 4096 needs ~28-58 MB of scratch (packed A rows), per calling thread.
-x_q = torch.randint(-127, 128, (7000, 4096), dtype=torch.int8)
-x_scale = torch.ones(7000, 1)
+# int8_scaled_mm with M = 14000, K = 4096 needs ~58 MB of scratch (packed int8 A rows), per calling thread: above
+# glibc's largest mmap threshold (32 MiB), so a freed buffer goes back to the OS and RSS shows it.
+x_q = torch.randint(-127, 128, (14000, 4096), dtype=torch.int8)
+x_scale = torch.ones(14000, 1)
 w, w_scale = w8a8_cpu.pack_weight(torch.randint(-127, 128, (16, 4096), dtype=torch.int8)), torch.ones(16)
 w8a8_cpu.int8_scaled_mm(x_q[:1], w, x_scale[:1], w_scale)
 base = rss_mib()

@@ -86,6 +86,25 @@ PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, const 
   return sizes;
 }
 
+// The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
+// contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
+void scale_row(const int32_t* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
+  if (o.raw_int32) {
+    std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
+    return;
+  }
+  float v[256];
+  void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
+  // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
+  float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
+  const float a_scale = o.a_scales[r];
+  const float* ws = o.w_scales + n0;
+  for (int64_t j = 0; j < cols; ++j) vr[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
+  if (o.bias)
+    for (int64_t j = 0; j < cols; ++j) vr[j] += o.bias[n0 + j];
+  if (vr == v) store_row_from_float(dst, o.out_kind, v, cols);
+}
+
 bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
   for (int64_t r = 0; r < m; ++r)
     if (std::memchr(a + r * lda, 0x80, static_cast<size_t>(k)) != nullptr) return true;
@@ -101,6 +120,19 @@ bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
 
 void serial_for(int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& body) {
   if (begin < end) body(begin, end);
+}
+
+void dynamic_for(int64_t count, int64_t chunk, const ParallelFor& parallel_for,
+                 const std::function<void(int64_t, int64_t)>& body) {
+  if (count <= 0) return;
+  chunk = std::max<int64_t>(chunk, 1);
+  const int64_t claims = (count + chunk - 1) / chunk;
+  if (claims == 1) return body(0, count);
+  std::atomic<int64_t> next{0};
+  // One region; each thread ignores its static share and claims until the counter runs out.
+  parallel_for(0, claims, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(chunk)) < count;) body(t0, std::min(count, t0 + chunk));
+  });
 }
 
 std::string packed_by_name(const PackedWeightHeader& h) {
@@ -272,35 +304,61 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
   }
 }
 
+namespace {
+
+// One row of quantize_rows; false for a non-finite row (scale NaN, q zeros).
+bool quantize_row_checked(const MicroKernel& kernel, const void* row, FloatKind kind, int64_t k, const float* amax_given,
+                          int8_t* q, float* scale) {
+  uint32_t amax_bits;
+  if (amax_given)
+    std::memcpy(&amax_bits, amax_given, 4), amax_bits &= 0x7fffffffu;
+  else
+    amax_bits = kernel.row_absmax_bits(row, kind, k);
+  if (amax_bits >= 0x7f800000u) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    std::memset(q, 0, static_cast<size_t>(k));
+    return false;
+  }
+  float amax;
+  std::memcpy(&amax, &amax_bits, 4);
+  amax = std::max(amax, kAmaxEps);
+  *scale = amax / 127.f;
+  kernel.quantize_row(row, kind, k, 127.f / amax, q);
+  return true;
+}
+
+void note_bad_row(std::atomic<int64_t>& first_bad, int64_t r) {
+  int64_t seen = first_bad.load();
+  while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
+  }
+}
+
+// Rows per claim of the row passes (quantize, pack): about 64 KiB of input each; below that, one claim (no region).
+int64_t rows_per_claim(int64_t k) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)); }
+
+}  // namespace
+
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
-                      int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for) {
+                      int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for, const float* row_amax) {
   std::atomic<int64_t> first_bad{m};
-  parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const void* row = element_at(x, kind, r * ldx);
-      const uint32_t amax_bits = kernel.row_absmax_bits(row, kind, k);
-      if (amax_bits >= 0x7f800000u) {
-        scales[r] = std::numeric_limits<float>::quiet_NaN();
-        std::memset(q + r * ldq, 0, static_cast<size_t>(k));
-        int64_t seen = first_bad.load();
-        while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
-        }
-        continue;
-      }
-      float amax;
-      std::memcpy(&amax, &amax_bits, 4);
-      amax = std::max(amax, kAmaxEps);
-      scales[r] = amax / 127.f;
-      kernel.quantize_row(row, kind, k, 127.f / amax, q + r * ldq);
-    }
+  dynamic_for(m, rows_per_claim(k), parallel_for, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      if (!quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, k, row_amax ? row_amax + r : nullptr,
+                                q + r * ldq, scales + r))
+        note_bad_row(first_bad, r);
   });
   const int64_t bad = first_bad.load();
   return bad < m ? bad : -1;
 }
 
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
-  const int64_t own = m * packed_a_stride(kernel, k_padded);
-  return kernel.a_excludes_int8_min ? std::max(own, gemm_scratch_nbytes(kRefKernel, m, k_padded)) : own;
+  // The packed rows (the reference tile's, for a caller's A holding -128).
+  const int64_t packed = m * packed_a_stride(kernel, k_padded);
+  return kernel.a_excludes_int8_min ? std::max(packed, m * packed_a_stride(kRefKernel, k_padded)) : packed;
+}
+
+int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded) {
+  return round_up(m * k, kAlign) + m * packed_a_stride(kernel, k_padded);  // quantized rows, then packed rows
 }
 
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
@@ -324,14 +382,13 @@ int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded) {
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for) {
   const int64_t stride = packed_a_stride(kernel, k_padded);
-  parallel_for(0, m, std::max<int64_t>(1, 65536 / std::max<int64_t>(k_padded, 1)), [&](int64_t r0, int64_t r1) {
+  dynamic_for(m, rows_per_claim(k_padded), parallel_for, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) kernel.pack_a_row(a + r * lda, k, k_padded, dst + r * stride);
   });
 }
 
 void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
-                        const float* a_scales, const PackedWeightView& w, int64_t panel, const float* w_scales,
-                        const float* bias, void* out, FloatKind out_kind, int64_t ldo) {
+                        const PackedWeightView& w, int64_t panel, const GemmOutput& o) {
   const int nr = w.layout.nr;
   const int64_t k_padded = w.header.k_padded;
   const int8_t* panel_data = w.panels + panel * k_padded * nr;
@@ -339,56 +396,84 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   load_col_sums(w, panel * nr, nr, sums);
   const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
   int32_t c[kMaxTileElems];
-  float v[kMaxTileElems];
-  const float* ws = w_scales + n0;
   for (int64_t r = r0; r < r1; r += kernel.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(kernel.mr, r1 - r));
     kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
-    for (int i = 0; i < rows; ++i) {
-      const float a_scale = a_scales[r + i];
-      const int32_t* ci = c + i * nr;
-      void* dst = static_cast<char*>(out) + ((r + i) * ldo + n0) * element_bytes(out_kind);
-      // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
-      float* vi = out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
-      // Fixed operation order (no FMA contraction, see CMakeLists) so every variant agrees bit for bit.
-      for (int64_t j = 0; j < cols; ++j) vi[j] = static_cast<float>(ci[j]) * (a_scale * ws[j]);
-      if (bias)
-        for (int64_t j = 0; j < cols; ++j) vi[j] += bias[n0 + j];
-      if (vi == v) store_row_from_float(dst, out_kind, v, cols);
-    }
+    for (int i = 0; i < rows; ++i) scale_row(c + i * nr, r + i, n0, cols, o);
   }
 }
 
-void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const float* a_scales,
-          const PackedWeightView& w, const float* w_scales, const float* bias, void* out, FloatKind out_kind,
-          int64_t ldo, void* scratch, const ParallelFor& parallel_for) {
-  check_kernel_reads(kernel, w, "w");
+void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, const GemmOutput& o,
+                        const ParallelFor& parallel_for) {
+  constexpr int64_t kCols = 256;  // scale_row's buffer
+  dynamic_for(m, rows_per_claim(n * 4), parallel_for, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t n0 = 0; n0 < n; n0 += kCols) scale_row(acc + r * lda + n0, r, n0, std::min(kCols, n - n0), o);
+  });
+}
+
+namespace {
+
+// Tasks are (panel, block of rows), panel-major: a claim of consecutive tasks is a contiguous slice of the weight,
+// streamed once (decode), reused from cache across its row blocks (prefill). Every output element is produced by
+// one tile call over the full K, so results do not depend on how tasks are split among threads.
+void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t m,
+                 const PackedWeightView& w, const GemmOutput& o, const ParallelFor& parallel_for) {
   const PackedWeightHeader& h = w.header;
-  if (m == 0 || h.n == 0) return;
-  if (kernel.a_excludes_int8_min && holds_int8_min(a, m, lda, h.k))
-    return gemm(kRefKernel, a, m, lda, a_scales, w, w_scales, bias, out, out_kind, ldo, scratch, parallel_for);
-
-  // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
-  auto* a_packed = static_cast<uint8_t*>(scratch);
-  pack_a_rows(kernel, a, m, lda, h.k, h.k_padded, a_packed, parallel_for);
-  const int64_t a_stride = packed_a_stride(kernel, h.k_padded);
-
-  // Tasks are (panel, block of rows), panel-major: a thread's contiguous share of tasks is a contiguous
-  // slice of the weight, streamed once (decode), reused from cache across its row blocks (prefill).
-  // Every output element is produced by one tile call over the full K, so results do not depend on
-  // how tasks are split among threads.
   const int64_t rows_per_block = std::min<int64_t>(round_up(m, kernel.mr), 8 * kernel.mr);
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const int64_t panels = h.n_padded / w.layout.nr;
   const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(macs_per_task, 1));
-  parallel_for(0, panels * row_blocks, grain, [&](int64_t t0, int64_t t1) {
+  // About 2^20 multiply-adds (~15 us) per claim: few claims, yet a slow thread holds up little.
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
+  dynamic_for(panels * row_blocks, chunk, parallel_for, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t p = t / row_blocks, rb = t % row_blocks;
-      compute_panel_rows(kernel, a_packed, a_stride, rb * rows_per_block, std::min(m, (rb + 1) * rows_per_block),
-                         a_scales, w, p, w_scales, bias, out, out_kind, ldo);
+      compute_panel_rows(kernel, a_packed, a_stride, rb * rows_per_block, std::min(m, (rb + 1) * rows_per_block), w,
+                         p, o);
     }
   });
+}
+
+}  // namespace
+
+void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const PackedWeightView& w,
+          const GemmOutput& o, void* scratch, const ParallelFor& parallel_for) {
+  check_kernel_reads(kernel, w, "w");
+  const PackedWeightHeader& h = w.header;
+  if (m == 0 || h.n == 0) return;
+  if (kernel.a_excludes_int8_min && holds_int8_min(a, m, lda, h.k))
+    return gemm(kRefKernel, a, m, lda, w, o, scratch, parallel_for);
+  // Pack A once: each row in the variant's own element representation, zero-padded to k_padded.
+  auto* a_packed = static_cast<uint8_t*>(scratch);
+  pack_a_rows(kernel, a, m, lda, h.k, h.k_padded, a_packed, parallel_for);
+  gemm_packed(kernel, a_packed, packed_a_stride(kernel, h.k_padded), m, w, o, parallel_for);
+}
+
+int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+               const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
+               const ParallelFor& parallel_for) {
+  check_kernel_reads(kernel, w, "w");
+  const PackedWeightHeader& h = w.header;
+  if (m == 0) return -1;
+  // Quantize and pack each row in one pass (one region; none for decode-sized m), then the GEMM's region.
+  auto* q = static_cast<int8_t*>(scratch);
+  auto* a_packed = static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign);
+  const int64_t a_stride = packed_a_stride(kernel, h.k_padded);
+  std::atomic<int64_t> first_bad{m};
+  dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* qr = q + r * h.k;
+      if (!quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, h.k, row_amax ? row_amax + r : nullptr,
+                                qr, a_scales_out + r))
+        note_bad_row(first_bad, r);
+      kernel.pack_a_row(qr, h.k, h.k_padded, a_packed + r * a_stride);
+    }
+  });
+  o.a_scales = a_scales_out;
+  gemm_packed(kernel, a_packed, a_stride, m, w, o, parallel_for);
+  const int64_t bad = first_bad.load();
+  return bad < m ? bad : -1;
 }
 
 }  // namespace w8a8_cpu

@@ -16,6 +16,12 @@ using ParallelFor =
     std::function<void(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body)>;
 void serial_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
 
+// body(t0, t1) over [0, count) in claims of at most `chunk` items, each taken from a shared counter by whichever
+// thread of one parallel_for region is free: a thread slowed down (another process on its core) holds up at most its
+// current claim instead of a fixed share. Only for bodies whose results do not depend on which thread runs a claim.
+void dynamic_for(int64_t count, int64_t chunk, const ParallelFor& parallel_for,
+                 const std::function<void(int64_t, int64_t)>& body);
+
 // amax is clamped to this before scale = amax / 127, so an all-zero row quantizes to zeros.
 constexpr float kAmaxEps = 1e-10f;
 
@@ -88,8 +94,11 @@ uint32_t packed_weight_checksum(const uint8_t* blob, int64_t nbytes);
 // A row holding NaN or Inf gets scale NaN and q all 0, so every product with it is NaN: like nn.Linear, a non-finite
 // activation row gives a non-finite output row and leaves the other rows exact (one bad request must not fail a
 // whole batch). Returns the first such row (callers in strict mode reject it), or -1 when all rows are finite.
+// row_amax (may be null): each row's absmax to quantize with instead of its own, e.g. the maximum over the ranks that
+// hold slices of one row (>= the slice's own absmax, finite; NaN/Inf mark the row non-finite as above).
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
-                      int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for);
+                      int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for,
+                      const float* row_amax = nullptr);
 
 // Throws std::invalid_argument naming `arg` unless `kernel` reads w's layout.
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg);
@@ -99,20 +108,42 @@ int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded);
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for);
 
-// The unit of work of every driver: rows [r0, r1) of packed A times one weight panel, through the tile
-// and the fp32 epilogue out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]), into out
-// (rows ldo elements apart, out_kind). The caller has checked check_kernel_reads.
+// What a GEMM writes: the fp32 epilogue out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]) cast once to
+// out_kind, rows ldo elements apart; or, with raw_int32, the exact int32 accumulators themselves (scales and bias
+// unused), for callers that add partial products before the epilogue (tensor parallelism).
+struct GemmOutput {
+  const float* a_scales;
+  const float* w_scales;
+  const float* bias;  // may be null
+  void* out;
+  FloatKind out_kind;
+  int64_t ldo;
+  bool raw_int32 = false;
+};
+
+// The unit of work of every driver: rows [r0, r1) of packed A times one weight panel, through the tile and the
+// epilogue into o. The caller has checked check_kernel_reads.
 void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
-                        const float* a_scales, const PackedWeightView& w, int64_t panel, const float* w_scales,
-                        const float* bias, void* out, FloatKind out_kind, int64_t ldo);
+                        const PackedWeightView& w, int64_t panel, const GemmOutput& o);
 
-// Scratch bytes gemm() needs for m rows of A with k columns.
+// The epilogue alone, for int32 accumulators [m, n] (rows lda apart) summed elsewhere: the same rule, bit for bit.
+void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, const GemmOutput& o,
+                        const ParallelFor& parallel_for);
+
+// Scratch bytes gemm() and linear() need for m rows of A with k columns.
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded);
+int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded);
 
-// out[i, j] = float(sum_k a[i, k] * w[j, k]) * (a_scales[i] * w_scales[j]) (+ bias[j]), cast once to out_kind.
-// a: int8 [m, k] rows lda apart; w packed for a panel width `kernel` reads; bias may be null.
-void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const float* a_scales,
-          const PackedWeightView& w, const float* w_scales, const float* bias, void* out, FloatKind out_kind,
-          int64_t ldo, void* scratch, const ParallelFor& parallel_for);
+// o <- a [m, k] (int8, rows lda apart) times w^T: acc[i, j] = sum_k a[i, k] * w[j, k] through the epilogue.
+// w packed for a panel width `kernel` reads.
+void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const PackedWeightView& w,
+          const GemmOutput& o, void* scratch, const ParallelFor& parallel_for);
+
+// The linear layer: per-token quantization of x [m, k] (rows ldx apart; row_amax as in quantize_rows, may be null)
+// and the GEMM, in at most two parallel regions (one when m * k is small). The per-row scales are written to
+// a_scales_out [m] (o.a_scales is ignored). Returns the first non-finite row or -1 (quantize_rows).
+int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+               const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
+               const ParallelFor& parallel_for);
 
 }  // namespace w8a8_cpu

@@ -146,11 +146,11 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
 
   // gate_up[q] = hq[t] . w13[e]^T, fp32, for every sorted position q.
   const std::vector<Task> up_tasks = expert_tasks(kernel, offsets, p.w13);
-  parallel_for(0, static_cast<int64_t>(up_tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+  dynamic_for(static_cast<int64_t>(up_tasks.size()), 1, parallel_for, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Task& t = up_tasks[i];
-      compute_panel_rows(kernel, a1, a1_stride, t.r0, t.r1, s1, p.w13[t.e], t.panel, p.w13_scales + t.e * 2 * inter,
-                         nullptr, gate_up, FloatKind::f32, 2 * inter);
+      compute_panel_rows(kernel, a1, a1_stride, t.r0, t.r1, p.w13[t.e], t.panel,
+                         {s1, p.w13_scales + t.e * 2 * inter, nullptr, gate_up, FloatKind::f32, 2 * inter});
     }
   });
 
@@ -166,11 +166,11 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
 
   // down[q] = act_q[q] . w2[e]^T, fp32.
   const std::vector<Task> down_tasks = expert_tasks(kernel, offsets, p.w2);
-  parallel_for(0, static_cast<int64_t>(down_tasks.size()), 1, [&](int64_t i0, int64_t i1) {
+  dynamic_for(static_cast<int64_t>(down_tasks.size()), 1, parallel_for, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const Task& t = down_tasks[i];
-      compute_panel_rows(kernel, a2, a2_stride, t.r0, t.r1, s2, p.w2[t.e], t.panel, p.w2_scales + t.e * p.hidden,
-                         nullptr, down, FloatKind::f32, p.hidden);
+      compute_panel_rows(kernel, a2, a2_stride, t.r0, t.r1, p.w2[t.e], t.panel,
+                         {s2, p.w2_scales + t.e * p.hidden, nullptr, down, FloatKind::f32, p.hidden});
     }
   });
 

@@ -241,23 +241,29 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
   return bias->to(at::kFloat).contiguous();
 }
 
-// Core: x_q int8 [M, K] (validated) times the weight, epilogue, into a new [M, N] tensor.
+// Core: x_q int8 [M, K] (validated) times the weight, epilogue, into a new [M, N] tensor; raw: the int32
+// accumulators instead (x_scale, w_scale, bias and out_dtype unused).
 at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale,
-                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool raw = false) {
   const MicroKernel& kernel = active_kernel();
-  const FloatKind out_kind = float_kind(out_dtype, "out_dtype");
+  const FloatKind out_kind = raw ? FloatKind::f32 : float_kind(out_dtype, "out_dtype");
+  if (raw) out_dtype = at::kInt;
   at::Tensor packed_storage;
   const PackedWeightView wv = weight_view(w, x_q.size(1), packed_storage);
   const int64_t m = x_q.size(0), n = wv.header.n;
-  const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
-  const at::Tensor b = checked_bias(bias, n);
+  at::Tensor ws, b;
+  if (!raw) {
+    ws = checked_scales(w_scale, n, "w_scale", "output channel");
+    b = checked_bias(bias, n);
+  }
   auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
   if (m == 0) return out;
   const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, wv.header.k_padded));
+  GemmOutput o{raw ? nullptr : x_scale.data_ptr<float>(), raw ? nullptr : ws.data_ptr<float>(),
+               b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n};
+  o.raw_int32 = raw;
   as_value_errors([&] {
-    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), x_scale.data_ptr<float>(), wv, ws.data_ptr<float>(),
-         b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n, scratch.data_ptr(),
-         kTorchParallelFor);
+    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), wv, o, scratch.data_ptr(), kTorchParallelFor);
     return 0;
   });
   return out;
@@ -273,15 +279,26 @@ bool reject_non_finite() {
   return strict;
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d) {
+void check_finite_rows(int64_t bad, const char* arg) {
+  TORCH_CHECK_VALUE(bad < 0 || !reject_non_finite(), arg, ": row ", bad, " contains NaN or Inf (rejected because "
+                    "W8A8_CPU_CHECK_FINITE=1; without it the row's output is NaN and the other rows are exact)");
+}
+
+// Per-row absmax given by the caller ([M] or [M, 1] fp32), or undefined.
+at::Tensor checked_amax(const c10::optional<at::Tensor>& amax, int64_t m) {
+  if (!amax) return {};
+  return checked_scales(*amax, m, "amax", "row");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d, const at::Tensor& amax) {
   const FloatKind kind = float_kind(x2d.scalar_type(), "x");
   const int64_t m = x2d.size(0), k = x2d.size(1);
   auto q = at::empty({m, k}, x2d.options().dtype(at::kChar));
   auto scales = at::empty({m, 1}, x2d.options().dtype(at::kFloat));
-  const int64_t bad = quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(),
-                                    k, scales.data_ptr<float>(), kTorchParallelFor);
-  TORCH_CHECK_VALUE(bad < 0 || !reject_non_finite(), "x: row ", bad, " contains NaN or Inf (rejected because "
-                    "W8A8_CPU_CHECK_FINITE=1; without it the row's output is NaN and the other rows are exact)");
+  const int64_t bad =
+      quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(), k,
+                    scales.data_ptr<float>(), kTorchParallelFor, amax.defined() ? amax.data_ptr<float>() : nullptr);
+  check_finite_rows(bad, "x");
   return {q, scales};
 }
 
@@ -296,10 +313,39 @@ at::Tensor activation_rows(const at::Tensor& x) {
   return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
 }
 
-std::tuple<at::Tensor, at::Tensor> per_token_quant_int8_op(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor> per_token_quant_int8_op(const at::Tensor& x, const c10::optional<at::Tensor>& amax) {
   check_cpu(x, "x");
   TORCH_CHECK_VALUE(x.dim() == 2, "x: expected a 2-D [M, K] tensor, got shape ", x.sizes());
-  return quantize(activation_rows(x));
+  const at::Tensor rows = activation_rows(x);
+  return quantize(rows, checked_amax(amax, rows.size(0)));
+}
+
+// Exact int32 accumulators x_q . w^T: partial products that callers add (tensor parallelism) before one epilogue.
+at::Tensor int8_mm_op(const at::Tensor& x_q, const at::Tensor& w) {
+  check_cpu(x_q, "x_q");
+  TORCH_CHECK_VALUE(x_q.scalar_type() == at::kChar, "x_q: dtype must be int8, got ", x_q.scalar_type());
+  check_rows(x_q, "x_q");
+  check_k(x_q.size(1), "x_q");
+  return scaled_mm(x_q, at::Tensor(), w, at::Tensor(), c10::nullopt, at::kInt, /*raw=*/true);
+}
+
+// The epilogue of int8_scaled_mm on int32 accumulators [M, N] computed elsewhere (int8_mm, then summed): same bits.
+at::Tensor scale_accumulators_op(const at::Tensor& acc, const at::Tensor& x_scale, const at::Tensor& w_scale,
+                                 const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype) {
+  check_cpu(acc, "acc");
+  TORCH_CHECK_VALUE(acc.scalar_type() == at::kInt, "acc: dtype must be int32, got ", acc.scalar_type());
+  check_rows(acc, "acc");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  const FloatKind out_kind = float_kind(out_dtype.value_or(at::kFloat), "out_dtype");
+  const at::Tensor xs = checked_scales(x_scale, m, "x_scale", "row of acc");
+  const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
+  const at::Tensor b = checked_bias(bias, n);
+  auto out = at::empty({m, n}, acc.options().dtype(out_dtype.value_or(at::kFloat)));
+  scale_accumulators(acc.data_ptr<int32_t>(), m, n, acc.stride(0),
+                     {xs.data_ptr<float>(), ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                      out.data_ptr(), out_kind, n},
+                     kTorchParallelFor);
+  return out;
 }
 
 at::Tensor int8_scaled_mm_op(const at::Tensor& x_q, const at::Tensor& w, const at::Tensor& x_scale,
@@ -315,12 +361,36 @@ at::Tensor int8_scaled_mm_op(const at::Tensor& x_q, const at::Tensor& w, const a
 
 at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                                         const c10::optional<at::Tensor>& bias,
-                                        c10::optional<at::ScalarType> out_dtype) {
+                                        c10::optional<at::ScalarType> out_dtype, const c10::optional<at::Tensor>& amax) {
   const at::Tensor rows = activation_rows(x);
-  auto [x_q, x_scale] = quantize(rows);
-  at::Tensor out = scaled_mm(x_q, x_scale, w, w_scale, bias, out_dtype.value_or(x.scalar_type()));
+  const FloatKind kind = float_kind(rows.scalar_type(), "x");
+  const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
+  const FloatKind out_kind = float_kind(dtype, "out_dtype");
+  const MicroKernel& kernel = active_kernel();
+  at::Tensor packed_storage;
+  const PackedWeightView wv = weight_view(w, rows.size(1), packed_storage);
+  const int64_t m = rows.size(0), n = wv.header.n;
+  const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
+  const at::Tensor b = checked_bias(bias, n);
+  const at::Tensor row_amax = checked_amax(amax, m);
+  auto out = at::empty({m, n}, rows.options().dtype(dtype));
+  if (m > 0) {
+    // Scratch: the per-row scales (a whole number of cache lines), then linear()'s.
+    const int64_t scales_bytes = (4 * m + 63) / 64 * 64;
+    const at::Tensor scratch =
+        scratch_buffer(scales_bytes + linear_scratch_nbytes(kernel, m, wv.header.k, wv.header.k_padded));
+    auto* base = static_cast<uint8_t*>(scratch.data_ptr());
+    const int64_t bad = as_value_errors([&] {
+      return linear(kernel, rows.data_ptr(), kind, m, rows.stride(0),
+                    row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, wv,
+                    {nullptr, ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(),
+                     out_kind, n},
+                    reinterpret_cast<float*>(base), base + scales_bytes, kTorchParallelFor);
+    });
+    check_finite_rows(bad, "x");
+  }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = out.size(1);
+  shape.back() = n;
   return out.view(shape);
 }
 
@@ -466,13 +536,17 @@ std::string set_variant_op(const std::string& name) {
 }  // namespace w8a8_cpu
 
 TORCH_LIBRARY(w8a8_cpu, m) {
-  m.def("per_token_quant_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("per_token_quant_int8(Tensor x, Tensor? amax=None) -> (Tensor, Tensor)");
+  m.def("int8_mm(Tensor x_q, Tensor w) -> Tensor");
+  m.def(
+      "scale_accumulators(Tensor acc, Tensor x_scale, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) "
+      "-> Tensor");
   m.def(
       "int8_scaled_mm(Tensor x_q, Tensor w, Tensor x_scale, Tensor w_scale, Tensor? bias=None, "
       "ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "int8_scaled_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, "
-      "ScalarType? out_dtype=None) -> Tensor");
+      "ScalarType? out_dtype=None, Tensor? amax=None) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def(
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
@@ -484,6 +558,8 @@ TORCH_LIBRARY(w8a8_cpu, m) {
 
 TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("per_token_quant_int8", &w8a8_cpu::per_token_quant_int8_op);
+  m.impl("int8_mm", &w8a8_cpu::int8_mm_op);
+  m.impl("scale_accumulators", &w8a8_cpu::scale_accumulators_op);
   m.impl("int8_scaled_mm", &w8a8_cpu::int8_scaled_mm_op);
   m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
   m.impl("pack_weight", &w8a8_cpu::pack_weight_op);

@@ -75,13 +75,31 @@ def _require_tensors(**tensors: object) -> None:
             raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
 
 
-def per_token_quant_int8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_int8(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). A NaN/Inf row gets scale NaN and q = 0
     (so its matmul output row is NaN), or raises ValueError under W8A8_CPU_CHECK_FINITE=1.
 
-    No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
+    amax (fp32 [M] or [M, 1]): quantize row i with this absmax instead of its own (it must be >= the row's, e.g.
+    the maximum over the ranks holding slices of one row: each rank then quantizes its slice exactly as the whole
+    row would be). No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
     _require_tensors(x=x)
-    return _ops.per_token_quant_int8(x)
+    return _ops.per_token_quant_int8(x, amax)
+
+
+def int8_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact int32 accumulators x_q int8 [M, K] @ w.T (w int8 [N, K] or packed) -> int32 [M, N].
+
+    With scale_accumulators (after summing partial products, e.g. over ranks) it gives int8_scaled_mm's bits."""
+    _require_tensors(x_q=x_q, w=w)
+    return _ops.int8_mm(x_q, w)
+
+
+def scale_accumulators(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """int8_scaled_mm's epilogue on int32 accumulators [M, N]: float32(acc) * (x_scale * w_scale) + bias, then one
+    cast to out_dtype (default float32). Bit-identical to int8_scaled_mm on the same accumulators."""
+    _require_tensors(acc=acc, x_scale=x_scale, w_scale=w_scale)
+    return _ops.scale_accumulators(acc, x_scale, w_scale, bias, out_dtype)
 
 
 def int8_scaled_mm(
@@ -106,14 +124,16 @@ def int8_scaled_mm_with_quant(
     w_scale: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype).
+    amax: per-row absmax to quantize with, as in per_token_quant_int8.
 
     Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (w_int8 * w_scale[:, None]) in
     fp32, cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
     that requires grad makes backward raise ValueError naming it."""
     _require_tensors(x=x, w=w, w_scale=w_scale)
-    return _ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype)
+    return _ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype, amax)
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -216,6 +236,8 @@ __all__ = [
     "per_token_quant_int8",
     "int8_scaled_mm",
     "int8_scaled_mm_with_quant",
+    "int8_mm",
+    "scale_accumulators",
     "pack_weight",
     "unpack_weight",
     "quantize_weight",

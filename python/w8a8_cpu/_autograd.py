@@ -66,7 +66,7 @@ def _linear_backward(ctx, grad_out):
                           "frozen: detach them")
     w, w_scale = ctx.saved_tensors
     weight = _ops._dequantized_weight(w, w_scale, ctx.k)
-    return (grad_out.float() @ weight).to(ctx.x_dtype), None, None, None, None
+    return (grad_out.float() @ weight).to(ctx.x_dtype), None, None, None, None, None
 
 
 # ---- fused_experts ---------------------------------------------------------------------------------------------
@@ -145,3 +145,6 @@ def register() -> None:
         "w8a8_cpu::int8_scaled_mm",
         _no_gradient("int8_scaled_mm", f"has no gradient (x_q is int8 already; scales and bias are frozen); "
                                        f"{_STRAIGHT_THROUGH}"))
+    torch.library.register_autograd(
+        "w8a8_cpu::scale_accumulators",
+        _no_gradient("scale_accumulators", f"has no gradient (its accumulators are int32); {_STRAIGHT_THROUGH}"))

@@ -167,11 +167,40 @@ def register() -> None:
                      or _register_meta)
 
     @register_fake("w8a8_cpu::per_token_quant_int8")
-    def _per_token_quant_int8(x):
+    def _per_token_quant_int8(x, amax=None):
         if x.dim() != 2:
             raise ValueError(f"x: expected a 2-D [M, K] tensor, got shape {list(x.shape)}")
         _check_activation_rows(x)
+        if amax is not None:
+            _check_scales(amax, x.shape[0], "amax", "row")
         return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+    @register_fake("w8a8_cpu::int8_mm")
+    def _int8_mm(x_q, w):
+        _check_same_device(x_q, w=w)
+        if x_q.dtype != torch.int8:
+            raise ValueError(f"x_q: dtype must be int8, got {x_q.dtype}")
+        _check_rows(x_q, "x_q")
+        _check_k(x_q.shape[1], "x_q")
+        if w.dim() == 1 and w.dtype == torch.uint8:  # N is in the blob's header (data), and no scales give it here
+            _weight_rows(w, x_q.shape[1], x_q.new_empty(0))
+            n = torch.library.get_ctx().new_dynamic_size()
+        else:
+            n = _weight_rows(w, x_q.shape[1], None)
+        return x_q.new_empty((x_q.shape[0], n), dtype=torch.int32)
+
+    @register_fake("w8a8_cpu::scale_accumulators")
+    def _scale_accumulators(acc, x_scale, w_scale, bias=None, out_dtype=None):
+        _check_same_device(acc, x_scale=x_scale, w_scale=w_scale, bias=bias)
+        if acc.dtype != torch.int32:
+            raise ValueError(f"acc: dtype must be int32, got {acc.dtype}")
+        _check_rows(acc, "acc")
+        out_dtype = out_dtype or torch.float32
+        _check_float(out_dtype, "out_dtype")
+        _check_scales(x_scale, acc.shape[0], "x_scale", "row of acc")
+        _check_scales(w_scale, acc.shape[1], "w_scale", "output channel")
+        _check_bias(bias, acc.shape[1])
+        return acc.new_empty(acc.shape, dtype=out_dtype)
 
     @register_fake("w8a8_cpu::int8_scaled_mm")
     def _int8_scaled_mm(x_q, w, x_scale, w_scale, bias=None, out_dtype=None):
@@ -186,9 +215,11 @@ def register() -> None:
         return x_q.new_empty((x_q.shape[0], n), dtype=out_dtype)
 
     @register_fake("w8a8_cpu::int8_scaled_mm_with_quant")
-    def _int8_scaled_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None):
-        _check_same_device(x, w=w, w_scale=w_scale, bias=bias)
+    def _int8_scaled_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None, amax=None):
+        _check_same_device(x, w=w, w_scale=w_scale, bias=bias, amax=amax)
         _check_activation_rows(x)
+        if amax is not None:
+            _check_scales(amax, x.numel() // x.shape[-1], "amax", "row")
         out_dtype = out_dtype or x.dtype
         n = _scaled_mm_columns(x.shape[-1], w, w_scale, bias, out_dtype)
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)

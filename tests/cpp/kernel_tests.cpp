@@ -244,12 +244,31 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
           "%s: finite rows reported bad", kern->name);
     std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->layout, "w"));
     pack_weight(*kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
-    std::vector<uint8_t> scratch(gemm_scratch_nbytes(*kern, s.m, blob_k_padded(blob)));
-    gemm(*kern, q.data(), s.m, s.k, scales.data(), view_packed_weight(blob.data(), blob.size(), "w"), w_scale.data(),
-         bias.data(), out.data(), FloatKind::f32, s.n, scratch.data(), serial_for);
+    const PackedWeightView view = view_packed_weight(blob.data(), blob.size(), "w");
+    std::vector<uint8_t> scratch(linear_scratch_nbytes(*kern, s.m, s.k, blob_k_padded(blob)));
+    gemm(*kern, q.data(), s.m, s.k, view, {scales.data(), w_scale.data(), bias.data(), out.data(), FloatKind::f32, s.n},
+         scratch.data(), serial_for);
     if (first.empty()) first = out;
     CHECK(std::memcmp(first.data(), out.data(), out.size() * 4) == 0, "%s: driver output differs from %s", kern->name,
           kernels.front()->name);
+    // linear() (quantize + pack + GEMM in its own passes) and the raw int32 accumulators + scale_accumulators give
+    // the same bits.
+    std::vector<float> fused(s.m * s.n), fused_scales(s.m), rescaled(s.m * s.n);
+    CHECK(linear(*kern, x.data(), FloatKind::f32, s.m, s.k, nullptr, view,
+                 {nullptr, w_scale.data(), bias.data(), fused.data(), FloatKind::f32, s.n}, fused_scales.data(),
+                 scratch.data(), serial_for) == -1,
+          "%s: linear reported a bad row", kern->name);
+    std::vector<int32_t> acc(s.m * s.n);
+    GemmOutput raw{scales.data(), w_scale.data(), bias.data(), acc.data(), FloatKind::f32, s.n};
+    raw.raw_int32 = true;
+    gemm(*kern, q.data(), s.m, s.k, view, raw, scratch.data(), serial_for);
+    scale_accumulators(acc.data(), s.m, s.n, s.n, {scales.data(), w_scale.data(), bias.data(), rescaled.data(),
+                                                   FloatKind::f32, s.n}, serial_for);
+    CHECK(std::memcmp(fused.data(), out.data(), out.size() * 4) == 0 &&
+              std::memcmp(fused_scales.data(), scales.data(), scales.size() * 4) == 0,
+          "%s: linear() differs from quantize_rows + gemm", kern->name);
+    CHECK(std::memcmp(rescaled.data(), out.data(), out.size() * 4) == 0,
+          "%s: raw int32 + scale_accumulators differs from gemm", kern->name);
   }
   std::printf("  driver output bit-identical across %zu variants\n", kernels.size());
 }
@@ -266,11 +285,12 @@ void test_driver_int8_min(const MicroKernel& kern, uint64_t seed) {
   std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout, "w"));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
   std::vector<uint8_t> scratch(gemm_scratch_nbytes(kern, s.m, blob_k_padded(blob)));
-  std::vector<float> ones_m(s.m, 1.f), ones_n(s.n, 1.f), out(s.m * s.n);
-  gemm(kern, a.data(), s.m, s.k, ones_m.data(), view_packed_weight(blob.data(), blob.size(), "w"), ones_n.data(),
-       nullptr, out.data(), FloatKind::f32, s.n, scratch.data(), serial_for);
-  int64_t mismatches = 0;  // |acc| < 2^24 here, so float(acc) * 1 * 1 is exact
-  for (int64_t i = 0; i < s.m * s.n; ++i) mismatches += out[i] != static_cast<float>(want[i]);
+  std::vector<int32_t> out(s.m * s.n);
+  GemmOutput raw{nullptr, nullptr, nullptr, out.data(), FloatKind::f32, s.n};
+  raw.raw_int32 = true;
+  gemm(kern, a.data(), s.m, s.k, view_packed_weight(blob.data(), blob.size(), "w"), raw, scratch.data(), serial_for);
+  int64_t mismatches = 0;
+  for (int64_t i = 0; i < s.m * s.n; ++i) mismatches += out[i] != want[i];
   CHECK(mismatches == 0, "%s: driver with -128 in A and W: %" PRId64 " mismatches", kern.name, mismatches);
   std::printf("  %-12s driver, -128 in A and W: %" PRId64 " mismatches\n", kern.name, mismatches);
 }
@@ -303,7 +323,7 @@ std::string rejection(const MicroKernel& kern, const uint8_t* blob, int64_t nbyt
       std::vector<float> a_scales(m, 0.5f), w_scales(n, 0.25f);
       out->assign(m * n, 0.f);
       std::vector<uint8_t> scratch(gemm_scratch_nbytes(kern, m, v.header.k_padded));
-      gemm(kern, a.data(), m, k, a_scales.data(), v, w_scales.data(), nullptr, out->data(), FloatKind::f32, n,
+      gemm(kern, a.data(), m, k, v, {a_scales.data(), w_scales.data(), nullptr, out->data(), FloatKind::f32, n},
            scratch.data(), serial_for);
     }
     return "";

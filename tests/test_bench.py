@@ -57,6 +57,27 @@ def test_bench_quick_json_and_plot(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
+def test_bench_threads_sweep_busy_and_error_column(tmp_path):
+    """--threads 1 2 --busy: one run per thread count under a competing spinning process (killed afterwards), every
+    candidate's error against the fp64 product, ONNX Runtime among the candidates when it is installed."""
+    out = tmp_path / "sweep.json"
+    argv = [*python_command(), "-m", "w8a8_cpu", "bench", "--threads", "1", "2", "--busy", "--shapes", "576x576",
+            "--m", "1", "--no-moe", "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "busy: a competing process spins on CPU" in proc.stdout
+    runs = json.loads(out.read_text())["sweep"]
+    assert [r["threads"] for r in runs] == [1, 2] and all(r["busy_cpu"] is not None for r in runs)
+    have_ort = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
+    for run in runs:
+        (case,) = run["linear"]
+        errors = {cand: r["rel_error"] for cand, r in case["results"].items()}
+        assert errors["torch fp32"] < 1e-5 and 1e-3 < errors["w8a8_cpu"] < 3e-2, errors
+        assert ("onnxruntime rr" in errors) == have_ort
+    busy = subprocess.run(["pgrep", "-f", "while True"], capture_output=True, text=True)
+    assert busy.stdout.strip() == "", "the busy process outlived the bench"
+
+
 def test_bench_plot_without_matplotlib_says_how(tmp_path):
     """--plot with matplotlib hidden: exit 2 before the run, naming the bench extra."""
     code = ("import sys; sys.modules['matplotlib'] = None; from w8a8_cpu.__main__ import main; "

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -40,6 +43,14 @@ SHAPES: Dict[str, tuple] = {
 }
 SHAPE_ROLES = {"4096x4096": "o_proj", "14336x4096": "gate/up_proj", "4096x14336": "down_proj",
                "6144x4096": "qkv_proj"}
+# SmolLM2-135M (the main job's LLM): hidden 576, 9 query / 3 KV heads of 64, intermediate 1536, vocabulary 49152.
+# Selected with --shapes smollm2 (not in the default run).
+SMALL_SHAPES: Dict[str, tuple] = {"576x576": (576, 576), "192x576": (192, 576), "1536x576": (1536, 576),
+                                  "576x1536": (576, 1536), "49152x576": (49152, 576)}
+SHAPES.update(SMALL_SHAPES)
+SHAPE_ROLES.update({"576x576": "SmolLM2 q/o_proj", "192x576": "SmolLM2 k/v_proj", "1536x576": "SmolLM2 gate/up",
+                    "576x1536": "SmolLM2 down_proj", "49152x576": "SmolLM2 lm_head"})
+DEFAULT_SHAPES = ("4096x4096", "14336x4096", "4096x14336", "6144x4096")
 DECODE_M = (1, 4, 16)
 PREFILL_M = (128, 512)
 ALL_M = DECODE_M + PREFILL_M
@@ -50,7 +61,10 @@ def phase_of(m: int) -> str:
 
 OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
-BASELINES = (FP32, BF16, AO, WO)
+ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
+BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT)
+INT8_PEERS = (AO, ORT_RR)  # the exact-enough int8 peers the speed targets compare with (ORT without reduce_range
+#                            saturates on CPUs without VNNI: its error column shows it)
 READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
 
 # MoE (Qwen/DeepSeek-like small experts): hidden H, intermediate I, cases (M, E, topk).
@@ -170,15 +184,65 @@ def _ao_engine() -> str:
     return torch.backends.quantized.engine
 
 
+def ort_linear(w: torch.Tensor, reduce_range: bool, threads: int):
+    """ONNX Runtime's dynamic int8 MatMul of x [M, K] by w.T (per-channel int8 weights, u8 activations with a zero
+    point, MLAS kernels): quantize_dynamic of a one-MatMul float model. Returns fn(x float32 numpy) -> numpy.
+    Its thread pool does not spin between calls (session.intra_op.allow_spinning = 0): a spinning pool keeps a core
+    busy after each call and slows down whichever candidate runs next."""
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    n, k = w.shape
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["Y"])], "linear",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])],
+        [numpy_helper.from_array(w.t().contiguous().numpy(), "W")])
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32_path, int8_path = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32_path))
+        logging_level = logging.getLogger().level
+        logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic logs a pre-processing hint on the root logger
+        try:
+            quantize_dynamic(str(fp32_path), str(int8_path), per_channel=True, reduce_range=reduce_range,
+                             weight_type=QuantType.QInt8)
+        finally:
+            logging.getLogger().setLevel(logging_level)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(int8_path), options, providers=["CPUExecutionProvider"])
+    return lambda x: session.run(None, {"X": x})[0]
+
+
+def relative_error(got, ideal: torch.Tensor) -> float:
+    """||got - ideal|| / ||ideal|| against the fp64 product of the unquantized operands."""
+    got = torch.as_tensor(got).double()
+    return ((got - ideal).norm() / ideal.norm()).item()
+
+
 def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, str]):
-    """Builds every linear candidate for one [N, K] weight. Returns (make(m) -> {name: fn}, weight bytes)."""
+    """Builds every linear candidate for one [N, K] weight. Returns (make(m) -> ({name: fn}, {name: relative error
+    vs the fp64 product}), weight bytes)."""
     linear = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
     w = linear.weight.detach()
     ours = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
     w_bf16 = w.to(torch.bfloat16)
-    weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n}
+    weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n,
+                    ORT_RR: n * k + 4 * n, ORT: n * k + 4 * n}
+    ort_fns = {}
+    try:
+        for name, reduce_range in ((ORT_RR, True), (ORT, False)):
+            ort_fns[name] = ort_linear(w, reduce_range, torch.get_num_threads())
+    except ImportError as e:  # optional: pip install 'w8a8-cpu[bench]'
+        errors[ORT_RR] = errors[ORT] = f"{type(e).__name__}: {e} (pip install 'w8a8-cpu[bench]')"
     dyn = None
     try:
         dyn = ao_dynamic(torch.nn.Sequential(linear))
@@ -194,21 +258,27 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
         wo_w = None
     del linear
 
-    def make(m: int) -> Dict[str, Callable[[], object]]:
+    def make(m: int):
         x = torch.randn(m, k, generator=gen)
-        xb = x.to(torch.bfloat16)
+        xb, xn = x.to(torch.bfloat16), x.numpy()
         fns = {OURS: lambda: ours(x), FP32: lambda: x @ w.t(), BF16: lambda: xb @ w_bf16.t()}
         if dyn is not None:
             fns[AO] = lambda: dyn(x)
         if wo_w is not None:
             fns[WO] = lambda: torch._weight_int8pack_mm(xb, wo_w, wo_s)
-        return fns
+        for name, fn in ort_fns.items():
+            fns[name] = lambda fn=fn: fn(xn)
+        ideal = x.double() @ w.double().t()
+        with torch.inference_mode():
+            errs = {name: relative_error(fn(), ideal) for name, fn in fns.items()}
+        return fns, errs
 
     return make, weight_bytes
 
 
 def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[float]],
-                     weight_bytes: Dict[str, int], bw_ref: Optional[float], read_bytes: int) -> dict:
+                     weight_bytes: Dict[str, int], bw_ref: Optional[float], read_bytes: int,
+                     errors: Dict[str, float]) -> dict:
     samples = dict(samples)
     read_samples = samples.pop(READ, None)
     results = {}
@@ -216,7 +286,7 @@ def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[
         sec = statistics.median(s)
         results[cand] = {"ms": sec * 1e3, "gops": 2.0 * m * n * k / sec / 1e9,
                          "weight_gbs": weight_bytes[cand] / sec / 1e9, "weight_bytes": weight_bytes[cand],
-                         "samples": len(s)}
+                         "rel_error": errors[cand], "samples": len(s)}
     ours = results[OURS]["ms"]
     ratios = {cand: r["ms"] / ours for cand, r in results.items() if cand != OURS}
     case = {"shape": name, "role": SHAPE_ROLES.get(name, ""), "m": m, "n": n, "k": k,
@@ -320,6 +390,11 @@ def evaluate_targets(result: dict) -> List[dict]:
             return None
         return case["results"][OURS]["ms"] / case["results"][baseline]["ms"]
 
+    for case in cases:  # every case: the faster of the int8 peers (issue: AVX2 speed vs ONNX Runtime and fbgemm)
+        peers = [case["results"][p]["ms"] for p in INT8_PEERS if p in case["results"]]
+        if peers:
+            add(f"{case['phase']} M={case['m']} {case['shape']}: time / faster of {' and '.join(INT8_PEERS)}",
+                case["results"][OURS]["ms"] / min(peers), 1.0, False)
     c = _find(cases, "14336x4096", 1)
     add("decode M=1 14336x4096: weight bandwidth / streaming-read bandwidth",
         None if c is None else c["decode_efficiency"], 0.90, True)
@@ -354,7 +429,8 @@ def print_linear(case: dict) -> None:
     print(f"{case['phase']} M={case['m']:<4} N={case['n']} K={case['k']} ({case['role']}){eff}")
     for cand, r in case["results"].items():
         ratio = "" if cand == OURS else f"  w8a8_cpu speedup x{case['speedup'][cand]:.2f}"
-        print(f"  {cand:<14} {r['ms']:10.3f} ms {r['gops']:9.1f} GOPS {r['weight_gbs']:8.2f} GB/s weights{ratio}")
+        print(f"  {cand:<16} {r['ms']:10.3f} ms {r['gops']:9.1f} GOPS {r['weight_gbs']:8.2f} GB/s weights  "
+              f"error {r['rel_error']:.1e}{ratio}")
 
 
 def print_targets(targets: List[dict]) -> None:
@@ -410,7 +486,7 @@ def plot(result: dict, path: str) -> None:
 
 def _parse_shapes(spec: Optional[Sequence[str]]) -> List[str]:
     if not spec:
-        return list(SHAPES)
+        return list(DEFAULT_SHAPES)
     names = []
     by_role = {"o_proj": "4096x4096", "gate_proj": "14336x4096", "up_proj": "14336x4096",
                "down_proj": "4096x14336", "qkv_proj": "6144x4096"}
@@ -420,11 +496,13 @@ def _parse_shapes(spec: Optional[Sequence[str]]) -> List[str]:
             continue
         if item in SHAPES:
             names.append(item)
+        elif item == "smollm2":
+            names.extend(SMALL_SHAPES)
         elif item in by_role:
             names.append(by_role[item])
         else:
             raise ValueError(f"unknown shape {item!r}: choose from {', '.join(SHAPES)} "
-                             f"(or {', '.join(sorted(by_role))})")
+                             f"(or {', '.join(sorted(by_role))}, or smollm2 for all of SmolLM2's)")
     return list(dict.fromkeys(names))
 
 
@@ -440,10 +518,14 @@ def _parse_ms(spec: Optional[Sequence[str]]) -> Optional[List[int]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke: 4096x4096 at M=1,16, MoE E=8 at M=1,16, 3 repetitions (numbers are rough)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
+                        help="torch threads (default: torch's choice); several values run the suite once per count")
+    parser.add_argument("--busy", action="store_true",
+                        help="run with a competing process spinning on one CPU (a busy serving host)")
     parser.add_argument("--shapes", nargs="+", metavar="NxK",
-                        help=f"linear shapes to run, comma- or space-separated: {', '.join(SHAPES)} or a role "
-                        "(o_proj, gate_proj, up_proj, down_proj, qkv_proj); default all")
+                        help=f"linear shapes to run, comma- or space-separated: {', '.join(SHAPES)}, a role "
+                        "(o_proj, gate_proj, up_proj, down_proj, qkv_proj) or smollm2 (its five shapes); default "
+                        f"{', '.join(DEFAULT_SHAPES)}")
     parser.add_argument("--m", nargs="+", metavar="M",
                         help=f"token counts to run (linear: any; MoE: of 1, 16, 128); default "
                         f"{', '.join(map(str, ALL_M))}")
@@ -456,27 +538,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+BUSY_LOOP = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True:\n    pass\n"
+
+
+def start_busy_process() -> "tuple[subprocess.Popen, int]":
+    """A second Python spinning on the last CPU this process may use: the load of another job on a serving host."""
+    cpu = max(os.sched_getaffinity(0))
+    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cpu)]), cpu
+
+
 def run(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    counts = args.threads or [None]
+    if any(t is not None and t <= 0 for t in counts):
+        print("bench: --threads values must be positive", file=sys.stderr)
+        return 2
+    busy = None
+    if args.busy:
+        busy, cpu = start_busy_process()
+        print(f"busy: a competing process spins on CPU {cpu} for the whole run")
+    try:
+        results = []
+        for threads in counts:
+            if threads:
+                torch.set_num_threads(threads)
+            code, result = run_once(args)
+            if code:
+                return code
+            result["busy_cpu"] = cpu if busy else None
+            results.append(result)
+    finally:
+        if busy:
+            busy.kill()
+            busy.wait()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if len(results) == 1 else {"sweep": results}, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results[-1], args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_once(args) -> "tuple[int, dict]":
     try:
         shapes = QUICK_SHAPES if args.quick and not args.shapes else _parse_shapes(args.shapes)
         m_filter = _parse_ms(args.m)
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
-        return 2
+        return 2, {}
     if args.plot:  # fail before the long run, not after it
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             print("bench: --plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)",
                   file=sys.stderr)
-            return 2
+            return 2, {}
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if reps <= 0 or warmup < 0:
         print("bench: --reps must be positive and --warmup non-negative", file=sys.stderr)
-        return 2
+        return 2, {}
     ms = m_filter or list(QUICK_M if args.quick else ALL_M)
     moe_cases = [] if args.no_moe else [c for c in (QUICK_MOE if args.quick else MOE_CASES)
                                         if m_filter is None or c[0] in m_filter]
@@ -507,10 +629,10 @@ def run(args) -> int:
         make, weight_bytes = linear_candidates(n, k, gen, errors)
         for m in ms:
             progress.step(f"linear {shape} M={m}")
-            candidates = make(m)
+            candidates, rel_errors = make(m)
             if phase_of(m) == "decode":
                 candidates[READ] = read_ref.sum
-            linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes))
+            linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes, rel_errors))
         del make
     if linear_cases:
         bw_samples.append(read_bandwidth(read_ref, 3 if args.quick else 5))
@@ -525,7 +647,8 @@ def run(args) -> int:
     bw = max(bw_samples)
     result["read_bandwidth_gbs"] = bw
     result["read_bandwidth_samples_gbs"] = bw_samples
-    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, read_bytes) for s, n, k, m, smp, wb in linear_out]
+    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, read_bytes, err)
+                        for s, n, k, m, smp, wb, err in linear_out]
     result["unavailable"] = errors
     print(f"streaming-read reference: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "
           f"{', '.join(f'{b:.2f}' for b in bw_samples)})")
@@ -541,14 +664,7 @@ def run(args) -> int:
             f"{name} {t:.2f} ms" + ("" if name == MOE_OURS else f" (x{t / ours:.2f})") for name, t in c["ms"].items()))
     result["targets"] = evaluate_targets(result)
     print_targets(result["targets"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    return 0, result
 
 
 DESCRIPTION = ("Benchmark the W8A8 linear (Llama-3-8B-like shapes, decode M=1/4/16 and prefill M=128/512) against "

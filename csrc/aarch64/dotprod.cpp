@@ -8,6 +8,9 @@
 //
 // Only code that runs on dotprod CPUs lives here (GCC may auto-vectorise into sdot anywhere in this TU);
 // A packing and quantization are the baseline ones from neon.cpp.
+#if !defined(__ARM_FEATURE_DOTPROD)
+#error "dotprod.cpp is a variant TU: build it with its ISA flags (-march=armv8.2-a+dotprod), through w8a8_cpu_add_variant"
+#endif
 #include <arm_neon.h>
 
 #include <cstring>
@@ -18,7 +21,7 @@
 namespace w8a8_cpu {
 namespace {
 
-constexpr int kNr = 16;
+constexpr int kNr = kAarch64PanelWidth;
 constexpr int kMr = 4;
 
 template <int M>

@@ -18,6 +18,9 @@
 // this variant requires too.
 //
 // Only code that runs on i8mm CPUs lives here; A packing and quantization are the baseline ones from neon.cpp.
+#if !defined(__ARM_FEATURE_MATMUL_INT8)
+#error "i8mm.cpp is a variant TU: build it with its ISA flags (-march=armv8.2-a+i8mm+dotprod), through w8a8_cpu_add_variant"
+#endif
 #include <arm_neon.h>
 
 #include "../common/cpu_features.h"
@@ -26,7 +29,7 @@
 namespace w8a8_cpu {
 namespace {
 
-constexpr int kNr = 16;
+constexpr int kNr = kAarch64PanelWidth;
 constexpr int kKr = 8;
 constexpr int kMr = 4;
 

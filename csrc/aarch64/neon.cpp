@@ -10,6 +10,9 @@
 // smull of the low / high halves gives the products of 2 channels x 4 k each.
 //
 // This TU also holds the NEON quantization shared by all aarch64 variants (see neon_common.h).
+#if !defined(__ARM_NEON)
+#error "neon.cpp is a variant TU: build it with its ISA flags (-march=armv8-a), through w8a8_cpu_add_variant"
+#endif
 #include <arm_neon.h>
 
 #include <cstring>
@@ -21,7 +24,7 @@
 namespace w8a8_cpu {
 namespace {
 
-constexpr int kNr = 16;
+constexpr int kNr = kAarch64PanelWidth;
 constexpr int kMr = 4;
 
 // Half a panel (8 channels) for M rows: per row, 4 int32x4 accumulators, acc[p] lanes =

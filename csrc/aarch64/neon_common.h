@@ -7,6 +7,8 @@
 #include "../common/ref_kernel.h"  // ref_pack_a_row: the aarch64 variants read A as plain int8
 
 namespace w8a8_cpu {
+// The panel width every variant of this arch packs (kr differs: 4, or 8 for smmla), in one place.
+constexpr int kAarch64PanelWidth = 16;
 uint32_t neon_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
 void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 }  // namespace w8a8_cpu

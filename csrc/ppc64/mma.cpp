@@ -14,6 +14,9 @@
 // accumulators are disassembled once per tile, transposed back to row order and corrected.
 //
 // Only code that runs on POWER10 lives here; A packing and quantization are the POWER8 ones from vsx.cpp.
+#if !defined(__MMA__)
+#error "mma.cpp is a variant TU: build it with its ISA flags (-mcpu=power10 -mmma), through w8a8_cpu_add_variant"
+#endif
 #include <altivec.h>
 
 #include <cstring>
@@ -29,7 +32,7 @@ using vs32 = __vector signed int;
 using vu32 = __vector unsigned int;
 using vu64 = __vector unsigned long long;
 
-constexpr int kNr = 16;
+constexpr int kNr = kPpc64PanelWidth;
 constexpr int kMr = 8;
 
 // 4x4 transpose of 32-bit elements: out[j][i] = in[i][j].

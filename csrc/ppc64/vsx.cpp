@@ -12,6 +12,9 @@
 // splatted to all four words. The tile is register-blocked 4 rows x 16 channels = 16 accumulators.
 //
 // This TU also holds the A packing and VSX quantization shared by both ppc64 variants (vsx_common.h).
+#if !defined(__VSX__)
+#error "vsx.cpp is a variant TU: build it with its ISA flags (-mcpu=power8 -mvsx), through w8a8_cpu_add_variant"
+#endif
 #include <altivec.h>
 
 #include <cstring>
@@ -30,7 +33,7 @@ using vs32 = __vector signed int;
 using vu32 = __vector unsigned int;
 using vf32 = __vector float;
 
-constexpr int kNr = 16;
+constexpr int kNr = kPpc64PanelWidth;
 constexpr int kMr = 4;
 
 // Adds one k group (4 k) to the M x 16 accumulators: w points at the group's 64 panel bytes, a4[i] holds

@@ -8,20 +8,22 @@
 // caller's A holding -128 goes to the reference tile (gemm(), a_excludes_int8_min). vpmaddwd with ones
 // then sums the pairs into int32, 32 multiply-adds per two multiplier instructions, all 16 channels of a
 // panel in one pass (two int32 accumulators per row, no horizontal adds).
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "avx2.cpp is a variant TU: build it with its ISA flags (-mavx2 -mfma -mf16c), through w8a8_cpu_add_variant"
+#endif
 #include <immintrin.h>
 
 #include <cstring>
 
 #include "../common/cpu_features.h"
 #include "../common/ref_kernel.h"
-#include "avx2_quant.h"
+#include "x86_common.h"
 
 namespace w8a8_cpu {
 namespace {
 
-constexpr int kNr = 16;  // shared x86 panel width (one zmm of vpdpbusd in the VNNI variant)
+constexpr int kNr = kX86PanelWidth;
 constexpr int kMr = 4;
-constexpr int kPrefetchBytes = 8192;
 
 // One k group of a panel is 64 bytes: channels 0-7 x 4 k, then channels 8-15 x 4 k. Each int32 lane of the
 // products is one channel's sum over the group's 4 k.
@@ -34,8 +36,8 @@ void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t k_pa
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
   const int8_t* b = panel;
   for (int64_t k = 0; k < k_padded; k += 4, b += kNr * 4) {
-    // Into L2, 8 KiB ahead (why and how far: see the VNNI variant).
-    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchBytes), _MM_HINT_T1);
+    // Into L2, kX86PrefetchBytes ahead (why and how far: x86_common.h).
+    _mm_prefetch(reinterpret_cast<const char*>(b + kX86PrefetchBytes), _MM_HINT_T1);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
     const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);

@@ -5,22 +5,21 @@
 // packed as u8 = a + 128, so acc = sum (a + 128) * w = sum a * w + 128 * sum w; the weight sums stored
 // in the packed blob remove the bias. int32 arithmetic wraps, and the true result fits int32 for
 // K <= kMaxK, so the corrected result is exact.
+#if !defined(__AVX512VNNI__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX2__)
+#error "avx512_vnni.cpp is a variant TU: build it with its ISA flags (-mavx512f -mavx512bw -mavx512vl -mavx512vnni (see variants.cmake)), through w8a8_cpu_add_variant"
+#endif
 #include <immintrin.h>
 
 #include <cstring>
 
 #include "../common/cpu_features.h"
-#include "avx2_quant.h"
+#include "x86_common.h"
 
 namespace w8a8_cpu {
 namespace {
 
-constexpr int kNr = 16;  // one zmm = 16 channels x 4 k
+constexpr int kNr = kX86PanelWidth;  // one zmm = 16 channels x 4 k
 constexpr int kMr = 8;
-// Software prefetch into L2, 8 KiB ahead in the weight panel: when weights come from DRAM the hardware prefetcher
-// alone stays too close (measured: decode M = 1 14336x4096 +9-16%, MoE experts +13-26%, 4096x4096 at M = 16 up
-// to +35%; 1-4 KiB ahead into L1 lost ~8% at M = 1, 16 KiB and L3 hints measured no better).
-constexpr int kPrefetchBytes = 8192;
 
 // acc += a (u8) . b (s8), four products per int32 lane. Inline asm instead of _mm512_dpbusd_epi32: GCC 12
 // copies every accumulator through a spare register around that builtin's tied operand (two extra zmm moves
@@ -60,7 +59,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32
   int64_t k = 0;
   for (; k + 4 * U <= k_padded; k += 4 * U) {
     for (int line = 0; line < 4 * U * kNr; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kNr + kPrefetchBytes + line), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kNr + kX86PrefetchBytes + line), _MM_HINT_T1);
     for (int u = 0; u < U; ++u) step(k + 4 * u, u);
   }
   for (; k < k_padded; k += 4) step(k, 0);

@@ -5,6 +5,9 @@
 // crc32 has a 3-cycle latency and a 1-cycle throughput: one dependency chain would run at a third of the
 // instruction's rate, so three chains run over three adjacent blocks and are joined with the CRC combination rule
 // crc(A B) = crc(A) * x^(8 |B|) mod P xor crc(B) (as zlib's crc32_combine).
+#if !defined(__SSE4_2__)
+#error "crc32c_sse42.cpp is a variant TU: build it with its ISA flags (-msse4.2), through w8a8_cpu_add_variant"
+#endif
 #include <nmmintrin.h>
 
 #include <cstddef>

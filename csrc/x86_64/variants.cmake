@@ -1,18 +1,17 @@
-# x86_64 ISA variants. Each is its own TU with its own flags; the rest of the library is baseline x86-64.
+# x86_64 ISA variants: one w8a8_cpu_add_variant call each (see CMakeLists.txt). Each is its own TU with its own flags;
+# the rest of the library is baseline x86-64.
 w8a8_cpu_add_variant(avx2
-  GUARD W8A8_CPU_HAVE_AVX2
+  SYMBOL kAvx2Kernel PRIORITY 10
   FLAGS -mavx2 -mfma -mf16c
   PROBE csrc/x86_64/probe_avx2.cpp
   SOURCES csrc/x86_64/avx2.cpp)
 
-# The VNNI variant reuses the AVX2 quantization, so it needs the AVX2 variant.
-if(W8A8_CPU_COMPILER_HAS_W8A8_CPU_HAVE_AVX2)
-  w8a8_cpu_add_variant(avx512_vnni
-    GUARD W8A8_CPU_HAVE_AVX512VNNI
-    FLAGS -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni
-    PROBE csrc/x86_64/probe_avx512_vnni.cpp
-    SOURCES csrc/x86_64/avx512_vnni.cpp)
-endif()
+# The VNNI variant reuses the AVX2 quantization (defined in avx2.cpp).
+w8a8_cpu_add_variant(avx512_vnni
+  SYMBOL kAvx512VnniKernel PRIORITY 20 USES avx2
+  FLAGS -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni
+  PROBE csrc/x86_64/probe_avx512_vnni.cpp
+  SOURCES csrc/x86_64/avx512_vnni.cpp)
 
 # CRC-32C of packed weight blobs (their checksum) with the SSE4.2 crc32 instruction: its own TU with its own flag,
 # chosen at run time (kFeatSse42). Without it, and on other arches, gemm_driver.cpp's portable code runs.

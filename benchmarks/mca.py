@@ -59,8 +59,9 @@ def parse_variants(cmake: Path) -> dict:
     out = {}
     for m in re.finditer(r"w8a8_cpu_add_variant\((\w+)(.*?)\)", text, re.S):
         body = " ".join(line.split("#")[0] for line in m.group(2).splitlines())
-        flags = re.search(r"FLAGS\s+(.*?)\s+(?:PROBE|SOURCES|GUARD)\b", body + " GUARD")
-        sources = re.search(r"SOURCES\s+(.*?)(?:\s+(?:PROBE|FLAGS|GUARD)\b|$)", body.strip())
+        keyword = r"(?:\s+(?:SYMBOL|PRIORITY|USES|FLAGS|PROBE|SOURCES)\b|$)"
+        flags = re.search(r"FLAGS\s+(.*?)" + keyword, body.strip())
+        sources = re.search(r"SOURCES\s+(.*?)" + keyword, body.strip())
         out[m.group(1)] = (flags.group(1).split() if flags else [], sources.group(1).split() if sources else [])
     return out
 

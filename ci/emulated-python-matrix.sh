@@ -25,15 +25,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ARCH=${1:-aarch64}
-case $ARCH in
-  # model, variant dispatch must select, pytest selection: `full` on the model that runs every variant,
-  # `smoke` (the selected variant end to end, no SIGILL anywhere in the package) on the others.
-  aarch64) MATRIX=("max i8mm full" "neoverse-n1 dotprod smoke" "a64fx neon smoke") ;;
-  # torch here is Debian bookworm's 1.13.1 (no ppc64le torch on PyPI / conda-forge): tests needing
-  # torch.library.opcheck (>= 2.4) or torch.compile (>= 2.0) skip themselves with that reason.
-  ppc64le) MATRIX=("power10 mma lite" "power9 vsx smoke") ;;
-  *) echo "emulated-python-matrix: unsupported ARCH '$ARCH'" >&2; exit 2 ;;
-esac
+# "model variant subset" per python row of ci/emulation-matrix.tsv for ARCH: `full` (or `lite`) on the model that
+# runs every variant, `smoke` (the selected variant end to end, no SIGILL anywhere in the package) on the others.
+# ppc64le's torch is Debian bookworm's 1.13.1 (no ppc64le torch on PyPI / conda-forge): tests needing
+# torch.library.opcheck (>= 2.4) or torch.compile (>= 2.0) skip themselves with that reason.
+MATRIX=()
+while read -r stage arch model variant subset; do
+  [ "$stage" = python ] && [ "$arch" = "$ARCH" ] && MATRIX+=("$model $variant $subset")
+done < <(grep -v '^#' ci/emulation-matrix.tsv)
+if [ ${#MATRIX[@]} -eq 0 ]; then
+  echo "emulated-python-matrix: no python rows for ARCH '$ARCH' in ci/emulation-matrix.tsv" >&2
+  exit 2
+fi
 # Tests that start a child python re-import torch under qemu (~20-75 s each); dispatch under emulation is already
 # checked by the selected-variant step and the emulated kernel tests' --expect-selected, so `full` leaves them out
 # as `lite` does.

@@ -1,6 +1,8 @@
 // Torch-free kernel tests: every compiled variant the CPU supports, against the exact integer reference.
 // Runs natively or under qemu (cross builds). Usage:
-//   w8a8_kernel_tests [--shapes N] [--seed S] [--expect-selected NAME]
+//   w8a8_kernel_tests [--shapes N] [--seed S] [--expect-selected NAME] [--variant NAME]
+// --variant: that variant's suites only (with it the cross-variant checks are trivially about one variant); the
+// default runs every compiled variant the CPU supports.
 // Exit status 0 only if every check passed and at least one variant ran.
 #include <algorithm>
 #include <cinttypes>
@@ -470,17 +472,21 @@ void fuzz_packed_weights(const MicroKernel& kern, uint64_t seed, int cases) {
 
 }  // namespace
 
+// Exit status of a --variant run whose variant this CPU lacks: ctest reports it as skipped (SKIP_RETURN_CODE).
+constexpr int kSkipped = 77;
+
 int run(int argc, char** argv) {
   int shape_count = 300;
   uint64_t seed = 20261129;
-  std::string expect_selected;
+  std::string expect_selected, only;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--shapes" && i + 1 < argc) shape_count = std::atoi(argv[++i]);
     else if (arg == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else if (arg == "--expect-selected" && i + 1 < argc) expect_selected = argv[++i];
+    else if (arg == "--variant" && i + 1 < argc) only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--shapes N] [--seed S] [--expect-selected NAME]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--shapes N] [--seed S] [--expect-selected NAME] [--variant NAME]\n", argv[0]);
       return 2;
     }
   }
@@ -495,9 +501,13 @@ int run(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   const auto shapes = sweep_shapes(rng, shape_count);
   std::vector<const MicroKernel*> runnable;
+  bool only_found = false;
   for (const MicroKernel* kern : compiled_kernels()) {
+    if (!only.empty() && only != kern->name) continue;
+    only_found = true;
     if (!cpu_supports(*kern)) {
       std::printf("  %-12s skipped: this CPU lacks its features\n", kern->name);
+      if (!only.empty()) return kSkipped;
       continue;
     }
     runnable.push_back(kern);
@@ -508,6 +518,10 @@ int run(int argc, char** argv) {
     test_shared_vectors(*kern);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
+  }
+  if (!only.empty() && !only_found) {
+    std::printf("FAILED: --variant %s: not a variant of this build\n", only.c_str());
+    return 1;
   }
   test_crc32c();
   test_driver_identical(runnable, seed);

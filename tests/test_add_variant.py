@@ -30,11 +30,9 @@ extern const MicroKernel kThrowawayKernel;
 const MicroKernel kThrowawayKernel = {
     /*name=*/"throwaway",
     /*required_features=*/0,
-    /*layout=*/{8, 4},
+    /*geometry=*/fixed_geometry<8, 4, 3, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/3,
-    /*a_elem_bytes=*/1,
-    ref_pack_a_row,
+    pack_rows_one_by_one<ref_pack_a_row>,
     ref_tile,
     ref_row_absmax_bits,
     ref_quantize_row,

@@ -86,11 +86,9 @@ extern const MicroKernel kI8mmKernel;  // external linkage: the registry refers 
 const MicroKernel kI8mmKernel = {
     /*name=*/"i8mm",
     /*required_features=*/kFeatAsimd | kFeatDotprod | kFeatI8mm,
-    /*layout=*/{kNr, kKr},
+    /*geometry=*/fixed_geometry<kNr, kKr, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    ref_pack_a_row,
+    pack_rows_one_by_one<ref_pack_a_row>,
     i8mm_tile,
     neon_row_absmax_bits,
     neon_quantize_row,

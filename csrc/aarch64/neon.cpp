@@ -118,11 +118,9 @@ extern const MicroKernel kNeonKernel;  // external linkage: the registry refers 
 const MicroKernel kNeonKernel = {
     /*name=*/"neon",
     /*required_features=*/kFeatAsimd,
-    /*layout=*/{kNr, 4},
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    ref_pack_a_row,
+    pack_rows_one_by_one<ref_pack_a_row>,
     neon_tile,
     neon_row_absmax_bits,
     neon_quantize_row,

@@ -1,93 +1,18 @@
-// The one W8A8 driver, written over the MicroKernel interface: per-token quantization, weight packing,
-// and the blocked GEMM with the fp32 epilogue. No torch: the caller allocates and provides parallelism.
+// The one W8A8 driver, written over the MicroKernel interface: per-token quantization, A packing, and the blocked
+// GEMM with the fp32 epilogue. No torch: the caller allocates and provides parallelism (parallel.h). The packed weight
+// format is packed_weight.h's.
 #pragma once
 
 #include <cstdint>
-#include <functional>
-#include <string>
 
 #include "microkernel.h"
+#include "packed_weight.h"
+#include "parallel.h"
 
 namespace w8a8_cpu {
 
-// parallel_for(begin, end, grain, body): calls body(b, e) on disjoint sub-ranges covering [begin, end),
-// possibly concurrently; ranges of at most `grain` items run inline. Results never depend on the split.
-using ParallelFor =
-    std::function<void(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body)>;
-void serial_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body);
-
-// body(t0, t1) over [0, count) in claims of at most `chunk` items, each taken from a shared counter by whichever
-// thread of one parallel_for region is free: a thread slowed down (another process on its core) holds up at most its
-// current claim instead of a fixed share. Only for bodies whose results do not depend on which thread runs a claim.
-void dynamic_for(int64_t count, int64_t chunk, const ParallelFor& parallel_for,
-                 const std::function<void(int64_t, int64_t)>& body);
-
 // amax is clamped to this before scale = amax / 127, so an all-zero row quantizes to zeros.
 constexpr float kAmaxEps = 1e-10f;
-
-// Packed weight blob: a 64-byte header, then n_padded / nr panels of k_padded * nr int8 (see PanelLayout),
-// then n_padded int32 per-channel weight sums, in host (little-endian) byte order. Self-describing, so ops tell
-// it apart from a raw weight and check it against the variant that reads it. A blob is untrusted input (it may
-// come from a file or another machine): view_packed_weight bounds every header field before it sizes anything,
-// verify_packed_weight checks the contents (docs/ARCHITECTURE.md, "Packed weight blob").
-struct PackedWeightHeader {
-  char magic[8];  // kPackedMagic
-  uint32_t version;
-  uint16_t nr, kr;
-  int64_t n, k, n_padded, k_padded;
-  char packed_by[12];  // the packing variant's name for error messages: printable ASCII, NUL-terminated, zero-filled
-  uint32_t checksum;   // CRC-32C of the header's first 60 bytes, then of everything after the header
-};
-static_assert(sizeof(PackedWeightHeader) == 64, "header must stay 64 bytes");
-constexpr char kPackedMagic[8] = {'W', '8', 'A', '8', 'P', 'K', 'W', '\0'};
-// 3: packed_by shrank to 12 bytes to make room for the checksum. Older versions are rejected ("re-pack").
-constexpr uint32_t kPackedVersion = 3;
-constexpr int64_t kChecksumOffset = 60;  // offsetof(PackedWeightHeader, checksum)
-// Format bounds, checked before any size is computed: nr * mr stays within the driver's 1024-int32 tile for
-// mr <= 16; N as in unpack_weight; K as the ops (kMaxK, the int32 accumulation limit).
-constexpr int kMaxPanelWidth = 64, kMaxPanelDepth = 64;
-constexpr int64_t kMaxPackedN = (int64_t{1} << 31) - 1;
-
-struct PackedWeightView {
-  PackedWeightHeader header;  // a copy: the blob may start at any byte address
-  PanelLayout layout;
-  const uint8_t* blob;
-  int64_t nbytes;
-  const int8_t* panels;
-  const uint8_t* col_sums;  // n_padded int32 at any alignment: read them with load_col_sums
-};
-
-// Byte layout of the blob of an [n, k] weight: the one place header fields are turned into sizes. Returns false,
-// computing nothing, if n, k or the layout is outside the format bounds or a size would overflow int64.
-struct PackedWeightSizes {
-  int64_t n_padded, k_padded, col_sums_offset, nbytes;
-};
-bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, PackedWeightSizes* sizes);
-// packed_weight_sizes(...).nbytes; throws std::invalid_argument naming `arg` outside the format bounds.
-int64_t packed_weight_nbytes(int64_t n, int64_t k, PanelLayout layout, const char* arg);
-// Packs w (int8 [n, k], rows ldw apart) for `kernel` into blob (packed_weight_nbytes bytes), checksum included.
-void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
-                 const ParallelFor& parallel_for);
-// Validates the header of a blob of nbytes bytes (any alignment) against the format bounds and nbytes, O(1);
-// throws std::invalid_argument naming `arg` if it is not a packed weight. Reading the view is then memory-safe.
-PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const char* arg);
-// Verifies the contents, one pass over the blob: the checksum, the channel sums (the VNNI / ppc64 tiles trust
-// them) and zero padding. Throws std::invalid_argument naming `arg`. Run once per blob that comes from outside
-// before computing with it (the torch binding caches the outcome per tensor version).
-void verify_packed_weight(const PackedWeightView& w, const char* arg);
-// Channel sums [first, first + count) of w into dst (aligned): the blob's may be at any address.
-void load_col_sums(const PackedWeightView& w, int64_t first, int64_t count, int32_t* dst);
-// The packing variant's name, never reading past the field (a corrupted blob's may lack its NUL).
-std::string packed_by_name(const PackedWeightHeader& h);
-// Whether `kernel` can read weights packed in `layout`.
-bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout);
-
-// CRC-32C (Castagnoli; reflected, init and final xor 0xffffffff) of n bytes, continuing from crc (0 to start).
-// Identical on every arch (blobs travel): SSE4.2 crc32 where the CPU has it, else a portable table.
-uint32_t crc32c(uint32_t crc, const void* data, size_t n);
-uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n);
-// The checksum a blob of nbytes bytes (nbytes >= 64) should carry.
-uint32_t packed_weight_checksum(const uint8_t* blob, int64_t nbytes);
 
 // Per-token symmetric quantization of x [m, k] (rows ldx elements apart) into q (rows ldq apart) and
 // scales [m]: scale = max(amax, kAmaxEps) / 127, q = clamp(round_half_even(x * (127 / amax)), -127, 127).
@@ -103,7 +28,21 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
 // Throws std::invalid_argument naming `arg` unless `kernel` reads w's layout.
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg);
 
-// A rows packed for `kernel` (pack_a_row) lie packed_a_stride bytes apart.
+// Packs rows [r0, r1) of A, row r read from row_at(r), to dst + r * stride through the variant's pack_a_rows, in
+// blocks of pointers (strided rows, or rows gathered from anywhere).
+template <typename RowAt>
+void pack_rows_via(const MicroKernel& kernel, int64_t r0, int64_t r1, RowAt row_at, int64_t k, int64_t k_padded,
+                   uint8_t* dst, int64_t stride) {
+  constexpr int64_t kBlock = 64;
+  const int8_t* rows[kBlock];
+  for (int64_t b = r0; b < r1; b += kBlock) {
+    const int64_t n = b + kBlock < r1 ? kBlock : r1 - b;
+    for (int64_t i = 0; i < n; ++i) rows[i] = row_at(b + i);
+    kernel.pack_a_rows(rows, n, k, k_padded, dst + b * stride, static_cast<size_t>(stride));
+  }
+}
+
+// A rows packed for `kernel` (pack_a_rows) lie packed_a_stride bytes apart.
 int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded);
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for);

@@ -25,17 +25,28 @@ struct PanelLayout {
 // Largest K for which an int32 accumulator cannot overflow: |a·w| <= 128·128 = 2^14 per product.
 constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
 
+// A variant's tile geometry, queried at run time (once per op, never cached across ops): fixed-width ISAs return
+// constants; an SME2 tile's width follows the streaming vector length, which only the running CPU knows.
+// The driver's int32 tile buffer (on the stack): mr * nr of any tile call fits it.
+constexpr int kMaxTileInt32 = 1024;
+
+struct TileGeometry {
+  PanelLayout layout;   // packed weight layout this variant packs and reads
+  int mr;               // rows of A per tile call (1..mr); mr * layout.nr <= kMaxTileInt32
+  size_t a_elem_bytes;  // bytes per element of a packed A row
+};
+
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...
   uint64_t required_features;  // CpuFeature bits the CPU must have
-  PanelLayout layout;          // packed weight layout this variant packs and reads
-  bool reads_any_layout;       // true for the reference tile, which reads weights packed by any variant
-  int mr;                      // rows of A per tile call (1..mr)
-  size_t a_elem_bytes;         // bytes per element of the packed A row
+  TileGeometry (*geometry)();
+  bool reads_any_layout;  // true for the reference tile, which reads weights packed by any variant
 
-  // Packed A row: k_padded elements in the variant's own representation (e.g. int16 for avx2,
-  // uint8 a+128 for vnni). Padding elements must be such that they contribute 0 with a zero weight.
-  void (*pack_a_row)(const int8_t* a, int64_t k, int64_t k_padded, void* dst);
+  // Packs m rows of A, row i read from rows[i] (k int8; a pointer list, so a driver can gather rows, e.g. the
+  // tokens routed to one expert, without copying them first), into dst, row i at dst + i * stride bytes: k_padded
+  // elements in the variant's own representation (e.g. uint8 a + 128 for vnni). Padding elements must contribute 0
+  // against a zero weight. A block at once lets a variant pack across rows (AMX / SME tiles hold several rows).
+  void (*pack_a_rows)(const int8_t* const* rows, int64_t m, int64_t k, int64_t k_padded, void* dst, size_t stride);
 
   // c[i * nr + j] = sum_k a_i[k] * w[panel col j][k] as exact int32 for i < m (m <= mr).
   // a: m packed rows, a_row_stride bytes apart. panel: one packed weight panel in `layout` (the variant's
@@ -51,10 +62,30 @@ struct MicroKernel {
   // q[k] = clamp(round_half_even(x[k] * inv_scale), -127, 127). Identical in every variant.
   void (*quantize_row)(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 
+  // Per-thread hooks (null: none), called on each thread of a parallel region before its first tile call and after
+  // its last: state a tile needs that lives in the thread (AMX: the tile configuration and Linux's one-time
+  // arch_prctl permission for the AMX state; SME: smstart / smstop of streaming mode).
+  void (*thread_enter)() = nullptr;
+  void (*thread_leave)() = nullptr;
+
   // True when the tile is exact only for A in [-127, 127] (every weight allowed): quantize_rows never produces -128,
   // and gemm() sends a caller's A that holds -128 to the reference tile instead (exact, slower).
   bool a_excludes_int8_min = false;
 };
+
+// The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones
+// included, gets its own copy of every instantiation, so no TU's ISA can leak into another through a shared one.
+template <int Nr, int Kr, int Mr, size_t AElemBytes>
+static TileGeometry fixed_geometry() {
+  static_assert(Mr >= 1 && Mr * Nr <= kMaxTileInt32, "tile larger than the driver's tile buffer");
+  return {{Nr, Kr}, Mr, AElemBytes};
+}
+
+// pack_a_rows of a variant that packs row by row.
+template <void (*PackRow)(const int8_t* a, int64_t k, int64_t k_padded, void* dst)>
+static void pack_rows_one_by_one(const int8_t* const* rows, int64_t m, int64_t k, int64_t k_padded, void* dst, size_t stride) {
+  for (int64_t i = 0; i < m; ++i) PackRow(rows[i], k, k_padded, static_cast<char*>(dst) + i * stride);
+}
 
 // Bytes per element of `kind`, and the address of element i. `static`: every TU, ISA-flagged ones included, gets
 // its own copy, so no TU's ISA can leak into another through a shared inline definition.

@@ -71,7 +71,7 @@ struct Task {  // rows [r0, r1) of expert e's block (sorted pair positions) time
 std::vector<Task> expert_tasks(const MicroKernel& kernel, const std::vector<int64_t>& offsets,
                                const PackedWeightView* w) {
   std::vector<Task> tasks;
-  const int64_t rows_per_block = 8 * kernel.mr;
+  const int64_t rows_per_block = 8 * kernel.geometry().mr;
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(offsets.size()); ++e) {
     const int64_t panels = w[e].header.n_padded / w[e].layout.nr;
     for (int64_t panel = 0; panel < panels; ++panel)
@@ -94,27 +94,36 @@ void silu_mul(float* gate, const float* up, int64_t n) {
 
 int64_t moe_scratch_nbytes(const MicroKernel& kernel, const MoeProblem& p) { return scratch_layout(kernel, p).total; }
 
-void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch, const ParallelFor& parallel_for) {
-  for (int64_t e = 0; e < p.experts; ++e) {
-    check_kernel_reads(kernel, p.w13[e], "w13");
-    check_kernel_reads(kernel, p.w2[e], "w2");
-  }
-  const int64_t pairs = p.tokens * p.topk, inter = p.intermediate;
-  if (pairs == 0) return;
+namespace {
+
+// The scratch regions of one call, as typed pointers (scratch_layout's offsets).
+struct MoeScratch {
+  int64_t* order;  // sorted position -> pair index t * topk + k
+  int8_t* hq;      // quantized tokens [tokens, hidden]
+  float* hs;       // their scales
+  uint8_t* a1;     // packed gate/up input, one row per sorted position
+  float* s1;
+  float* gate_up;  // [pairs, 2 * intermediate] fp32
+  int8_t* aq;      // quantized activations [pairs, intermediate]
+  float* s2;
+  uint8_t* a2;     // packed down input
+  float* down;     // [pairs, hidden] fp32
+};
+
+MoeScratch scratch_regions(const MicroKernel& kernel, const MoeProblem& p, void* scratch) {
   const Layout l = scratch_layout(kernel, p);
   auto* base = static_cast<uint8_t*>(scratch);
-  auto* order = reinterpret_cast<int64_t*>(base + l.order);  // sorted position -> pair index t * topk + k
-  auto* hq = reinterpret_cast<int8_t*>(base + l.hq);
-  auto* hs = reinterpret_cast<float*>(base + l.hs);
-  auto* a1 = base + l.a1;
-  auto* s1 = reinterpret_cast<float*>(base + l.s1);
-  auto* gate_up = reinterpret_cast<float*>(base + l.gate_up);
-  auto* aq = reinterpret_cast<int8_t*>(base + l.aq);
-  auto* s2 = reinterpret_cast<float*>(base + l.s2);
-  auto* a2 = base + l.a2;
-  auto* down = reinterpret_cast<float*>(base + l.down);
+  return {reinterpret_cast<int64_t*>(base + l.order), reinterpret_cast<int8_t*>(base + l.hq),
+          reinterpret_cast<float*>(base + l.hs),      base + l.a1,
+          reinterpret_cast<float*>(base + l.s1),      reinterpret_cast<float*>(base + l.gate_up),
+          reinterpret_cast<int8_t*>(base + l.aq),     reinterpret_cast<float*>(base + l.s2),
+          base + l.a2,                                reinterpret_cast<float*>(base + l.down)};
+}
 
-  // Route: counting sort of (token, slot) pairs by expert; within an expert, pairs stay in token order.
+// Stage 1, route: counting sort of (token, slot) pairs by expert; within an expert, pairs stay in token order.
+// Returns the experts' offsets into the sorted positions; position[i] is pair i's sorted position.
+std::vector<int64_t> route(const MoeProblem& p, int64_t* order, std::vector<int64_t>& position) {
+  const int64_t pairs = p.tokens * p.topk;
   std::vector<int64_t> offsets(p.experts + 1, 0);
   for (int64_t i = 0; i < pairs; ++i) {
     const int64_t e = p.topk_ids[i];
@@ -125,58 +134,64 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
     ++offsets[e + 1];
   }
   for (int64_t e = 0; e < p.experts; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> position(pairs), next(offsets.begin(), offsets.end() - 1);
+  position.assign(pairs, 0);
+  std::vector<int64_t> next(offsets.begin(), offsets.end() - 1);
   for (int64_t i = 0; i < pairs; ++i) {
     position[i] = next[p.topk_ids[i]]++;
     order[position[i]] = i;
   }
+  return offsets;
+}
 
-  // Quantize each token once; gather its packed A row to every position routed to it.
-  const int64_t bad = quantize_rows(kernel, p.x, p.x_kind, p.tokens, p.hidden, p.ldx, hq, p.hidden, hs, parallel_for);
+// Stage 2, gather: quantize each token once and pack its row to every sorted position routed to it (a pointer list:
+// no copy of the token per position first).
+void quantize_and_gather(const MicroKernel& kernel, const MoeProblem& p, const MoeScratch& s,
+                         const ParallelFor& parallel_for) {
+  const int64_t pairs = p.tokens * p.topk, k_padded = p.w13[0].header.k_padded;
+  const int64_t bad = quantize_rows(kernel, p.x, p.x_kind, p.tokens, p.hidden, p.ldx, s.hq, p.hidden, s.hs,
+                                    parallel_for);
   if (bad >= 0 && p.reject_non_finite) throw_non_finite(bad, "hidden: row ");
-  const PackedWeightView& w13_any = p.w13[0];
-  const int64_t a1_stride = packed_a_stride(kernel, w13_any.header.k_padded);
-  parallel_for(0, pairs, std::max<int64_t>(1, 65536 / a1_stride), [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t t = order[q] / p.topk;
-      kernel.pack_a_row(hq + t * p.hidden, p.hidden, w13_any.header.k_padded, a1 + q * a1_stride);
-      s1[q] = hs[t];
-    }
+  const int64_t stride = packed_a_stride(kernel, k_padded);
+  dynamic_for(pairs, std::max<int64_t>(1, 65536 / stride), parallel_for, [&](int64_t q0, int64_t q1) {
+    pack_rows_via(kernel, q0, q1, [&](int64_t q) { return s.hq + s.order[q] / p.topk * p.hidden; }, p.hidden,
+                  k_padded, s.a1, stride);
+    for (int64_t q = q0; q < q1; ++q) s.s1[q] = s.hs[s.order[q] / p.topk];
   });
+}
 
-  // gate_up[q] = hq[t] . w13[e]^T, fp32, for every sorted position q.
-  const std::vector<Task> up_tasks = expert_tasks(kernel, offsets, p.w13);
-  dynamic_for(static_cast<int64_t>(up_tasks.size()), 1, parallel_for, [&](int64_t i0, int64_t i1) {
+// Stages 3 and 5, the expert projections: out[q] = a[q] . w[e]^T in fp32 for every sorted position q of expert e.
+void project(const MicroKernel& kernel, const std::vector<int64_t>& offsets, const PackedWeightView* w,
+             const float* w_scales, int64_t n, const uint8_t* a, const float* a_scales, float* out,
+             const ParallelFor& parallel_for) {
+  const int64_t stride = packed_a_stride(kernel, w[0].header.k_padded);
+  const std::vector<Task> tasks = expert_tasks(kernel, offsets, w);
+  dynamic_for(static_cast<int64_t>(tasks.size()), 1, parallel_for, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Task& t = up_tasks[i];
-      compute_panel_rows(kernel, a1, a1_stride, t.r0, t.r1, p.w13[t.e], t.panel,
-                         {s1, p.w13_scales + t.e * 2 * inter, nullptr, gate_up, FloatKind::f32, 2 * inter});
+      const Task& t = tasks[i];
+      compute_panel_rows(kernel, a, stride, t.r0, t.r1, w[t.e], t.panel,
+                         {a_scales, w_scales + t.e * n, nullptr, out, FloatKind::f32, n});
     }
-  });
+  }, kernel.thread_enter, kernel.thread_leave);
+}
 
-  // act = silu(gate) * up, in place over the gate half; re-quantize per row; pack for the down projection.
-  parallel_for(0, pairs, std::max<int64_t>(1, 16384 / inter), [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) silu_mul(gate_up + q * 2 * inter, gate_up + q * 2 * inter + inter, inter);
+// Stage 4, activation: act = silu(gate) * up in place over the gate half, re-quantized per row and packed for the
+// down projection.
+void activate(const MicroKernel& kernel, const MoeProblem& p, const MoeScratch& s, const ParallelFor& parallel_for) {
+  const int64_t pairs = p.tokens * p.topk, inter = p.intermediate;
+  dynamic_for(pairs, std::max<int64_t>(1, 16384 / inter), parallel_for, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) silu_mul(s.gate_up + q * 2 * inter, s.gate_up + q * 2 * inter + inter, inter);
   });
-  const int64_t bad_act = quantize_rows(kernel, gate_up, FloatKind::f32, pairs, inter, 2 * inter, aq, inter, s2,
-                                        parallel_for);
-  if (bad_act >= 0 && p.reject_non_finite) throw_non_finite(order[bad_act] / p.topk, "intermediate activation of token ");
-  const int64_t a2_stride = packed_a_stride(kernel, p.w2[0].header.k_padded);
-  pack_a_rows(kernel, aq, pairs, inter, inter, p.w2[0].header.k_padded, a2, parallel_for);
+  const int64_t bad = quantize_rows(kernel, s.gate_up, FloatKind::f32, pairs, inter, 2 * inter, s.aq, inter, s.s2,
+                                    parallel_for);
+  if (bad >= 0 && p.reject_non_finite) throw_non_finite(s.order[bad] / p.topk, "intermediate activation of token ");
+  pack_a_rows(kernel, s.aq, pairs, inter, inter, p.w2[0].header.k_padded, s.a2, parallel_for);
+}
 
-  // down[q] = act_q[q] . w2[e]^T, fp32.
-  const std::vector<Task> down_tasks = expert_tasks(kernel, offsets, p.w2);
-  dynamic_for(static_cast<int64_t>(down_tasks.size()), 1, parallel_for, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const Task& t = down_tasks[i];
-      compute_panel_rows(kernel, a2, a2_stride, t.r0, t.r1, p.w2[t.e], t.panel,
-                         {s2, p.w2_scales + t.e * p.hidden, nullptr, down, FloatKind::f32, p.hidden});
-    }
-  });
-
-  // out[t] = sum over k in slot order of topk_weights[t, k] * down[position of (t, k)], cast once.
+// Stage 6, combine: out[t] = sum over k in slot order of topk_weights[t, k] * down[position of (t, k)], cast once.
+void combine(const MoeProblem& p, const float* down, const std::vector<int64_t>& position,
+             const ParallelFor& parallel_for) {
   constexpr int64_t kChunk = 256;
-  parallel_for(0, p.tokens, std::max<int64_t>(1, 4096 / p.hidden), [&](int64_t t0, int64_t t1) {
+  dynamic_for(p.tokens, std::max<int64_t>(1, 4096 / p.hidden), parallel_for, [&](int64_t t0, int64_t t1) {
     float acc[kChunk];
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h0 = 0; h0 < p.hidden; h0 += kChunk) {
@@ -191,6 +206,24 @@ void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch
                              acc, len);
       }
   });
+}
+
+}  // namespace
+
+void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch, const ParallelFor& parallel_for) {
+  for (int64_t e = 0; e < p.experts; ++e) {
+    check_kernel_reads(kernel, p.w13[e], "w13");
+    check_kernel_reads(kernel, p.w2[e], "w2");
+  }
+  if (p.tokens * p.topk == 0) return;
+  const MoeScratch s = scratch_regions(kernel, p, scratch);
+  std::vector<int64_t> position;
+  const std::vector<int64_t> offsets = route(p, s.order, position);
+  quantize_and_gather(kernel, p, s, parallel_for);
+  project(kernel, offsets, p.w13, p.w13_scales, 2 * p.intermediate, s.a1, s.s1, s.gate_up, parallel_for);
+  activate(kernel, p, s, parallel_for);
+  project(kernel, offsets, p.w2, p.w2_scales, p.hidden, s.a2, s.s2, s.down, parallel_for);
+  combine(p, s.down, position, parallel_for);
 }
 
 }  // namespace w8a8_cpu

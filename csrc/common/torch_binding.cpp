@@ -181,7 +181,7 @@ at::Tensor pack_weight_tensor(const at::Tensor& w) {
   check_k(w.size(1), "w");
   const MicroKernel& kernel = active_kernel();
   const int64_t nbytes =
-      as_value_errors([&] { return packed_weight_nbytes(w.size(0), w.size(1), kernel.layout, "w"); });
+      as_value_errors([&] { return packed_weight_nbytes(w.size(0), w.size(1), kernel.geometry().layout, "w"); });
   auto blob = at::empty({nbytes}, w.options().dtype(at::kByte));
   pack_weight(kernel, w.data_ptr<int8_t>(), w.size(0), w.size(1), w.stride(0), blob.data_ptr<uint8_t>(),
               kTorchParallelFor);
@@ -405,7 +405,7 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
                       ": expected a raw int8 weight of shape [", experts, ", ", n, ", ", k, "], got ", w.sizes());
     const MicroKernel& kernel = active_kernel();
     const at::Tensor wc = w.contiguous();
-    const int64_t nbytes = as_value_errors([&] { return packed_weight_nbytes(n, k, kernel.layout, arg); });
+    const int64_t nbytes = as_value_errors([&] { return packed_weight_nbytes(n, k, kernel.geometry().layout, arg); });
     storage = at::empty({experts, nbytes}, w.options().dtype(at::kByte));
     for (int64_t e = 0; e < experts; ++e)
       pack_weight(kernel, wc.data_ptr<int8_t>() + e * n * k, n, k, k, storage.data_ptr<uint8_t>() + e * nbytes,
@@ -523,8 +523,8 @@ std::string info_op() {
   std::ostringstream s;
   s << "{\"arch\": \"" << target_arch() << "\", \"features\": " << json_list(feature_names(cpu_features()))
     << ", \"compiled_variants\": " << json_list(compiled) << ", \"runnable_variants\": " << json_list(runnable)
-    << ", \"selected_variant\": \"" << active.name << "\", \"panel_width\": " << active.layout.nr
-    << ", \"panel_depth\": " << active.layout.kr << "}";
+    << ", \"selected_variant\": \"" << active.name << "\", \"panel_width\": " << active.geometry().layout.nr
+    << ", \"panel_depth\": " << active.geometry().layout.kr << "}";
   return s.str();
 }
 

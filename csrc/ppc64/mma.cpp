@@ -155,11 +155,9 @@ extern const MicroKernel kMmaKernel;  // external linkage: the registry refers t
 const MicroKernel kMmaKernel = {
     /*name=*/"mma",
     /*required_features=*/kFeatVsx | kFeatArch31 | kFeatMma,
-    /*layout=*/{kNr, 4},
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    vsx_pack_a_row_biased_u8,
+    pack_rows_one_by_one<vsx_pack_a_row_biased_u8>,
     mma_tile,
     vsx_row_absmax_bits,
     vsx_quantize_row,

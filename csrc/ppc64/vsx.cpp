@@ -153,11 +153,9 @@ extern const MicroKernel kVsxKernel;  // external linkage: the registry refers t
 const MicroKernel kVsxKernel = {
     /*name=*/"vsx",
     /*required_features=*/kFeatVsx,
-    /*layout=*/{kNr, 4},
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    vsx_pack_a_row_biased_u8,
+    pack_rows_one_by_one<vsx_pack_a_row_biased_u8>,
     vsx_tile,
     vsx_row_absmax_bits,
     vsx_quantize_row,

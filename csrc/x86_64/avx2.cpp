@@ -120,14 +120,14 @@ extern const MicroKernel kAvx2Kernel;  // external linkage: the registry refers 
 const MicroKernel kAvx2Kernel = {
     /*name=*/"avx2",
     /*required_features=*/kFeatAvx2,
-    /*layout=*/{kNr, 4},
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    ref_pack_a_row,
+    pack_rows_one_by_one<ref_pack_a_row>,
     avx2_tile,
     avx2_row_absmax_bits,
     avx2_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
     /*a_excludes_int8_min=*/true,
 };
 

@@ -85,11 +85,9 @@ extern const MicroKernel kAvx512VnniKernel;  // external linkage: the registry r
 const MicroKernel kAvx512VnniKernel = {
     /*name=*/"avx512_vnni",
     /*required_features=*/kFeatAvx2 | kFeatAvx512Vnni,
-    /*layout=*/{kNr, 4},
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
     /*reads_any_layout=*/false,
-    /*mr=*/kMr,
-    /*a_elem_bytes=*/1,
-    pack_a_row_biased_u8,
+    pack_rows_one_by_one<pack_a_row_biased_u8>,
     vnni_tile,
     avx2_row_absmax_bits,
     avx2_quantize_row,

@@ -5,6 +5,8 @@
 // default runs every compiled variant the CPU supports.
 // Exit status 0 only if every check passed and at least one variant ran.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cinttypes>
 #include <climits>
 #include <cstddef>
@@ -13,9 +15,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_features.h"
@@ -68,19 +72,22 @@ int64_t blob_k_padded(const std::vector<uint8_t>& blob) {
 // Runs the variant's tile over every (row tile, panel) and returns the int32 accumulators [m, n].
 std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<int8_t>& a, const std::vector<int8_t>& w,
                                    const Shape& s) {
-  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout, "w"));
+  const TileGeometry g = kern.geometry();
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, g.layout, "w"));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
   const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
   verify_packed_weight(pw, "w");
   const int64_t kp = pw.header.k_padded, nr = pw.layout.nr;
   std::vector<int32_t> sums(pw.header.n_padded);
   load_col_sums(pw, 0, pw.header.n_padded, sums.data());
-  const size_t stride = static_cast<size_t>(kp) * kern.a_elem_bytes;
+  const size_t stride = static_cast<size_t>(kp) * g.a_elem_bytes;
   std::vector<uint8_t> apack(s.m * stride);
-  for (int64_t i = 0; i < s.m; ++i) kern.pack_a_row(a.data() + i * s.k, s.k, kp, apack.data() + i * stride);
-  std::vector<int32_t> c(s.m * s.n), tile(kern.mr * nr);
-  for (int64_t r = 0; r < s.m; r += kern.mr) {
-    const int rows = static_cast<int>(std::min<int64_t>(kern.mr, s.m - r));
+  std::vector<const int8_t*> rows_in(s.m);
+  for (int64_t i = 0; i < s.m; ++i) rows_in[i] = a.data() + i * s.k;
+  kern.pack_a_rows(rows_in.data(), s.m, s.k, kp, apack.data(), stride);
+  std::vector<int32_t> c(s.m * s.n), tile(g.mr * nr);
+  for (int64_t r = 0; r < s.m; r += g.mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(g.mr, s.m - r));
     for (int64_t p = 0; p < pw.header.n_padded / nr; ++p) {
       kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, sums.data() + p * nr, pw.layout, kp,
                 tile.data());
@@ -244,7 +251,7 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
     std::vector<float> scales(s.m), out(s.m * s.n);
     CHECK(quantize_rows(*kern, x.data(), FloatKind::f32, s.m, s.k, s.k, q.data(), s.k, scales.data(), serial_for) == -1,
           "%s: finite rows reported bad", kern->name);
-    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->layout, "w"));
+    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern->geometry().layout, "w"));
     pack_weight(*kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
     const PackedWeightView view = view_packed_weight(blob.data(), blob.size(), "w");
     std::vector<uint8_t> scratch(linear_scratch_nbytes(*kern, s.m, s.k, blob_k_padded(blob)));
@@ -284,7 +291,7 @@ void test_driver_int8_min(const MicroKernel& kern, uint64_t seed) {
   a[3 * s.k + 100] = -128;
   w[5 * s.k + 7] = -128;
   const auto want = reference_matmul(a, w, s);
-  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.layout, "w"));
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w"));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
   std::vector<uint8_t> scratch(gemm_scratch_nbytes(kern, s.m, blob_k_padded(blob)));
   std::vector<int32_t> out(s.m * s.n);
@@ -295,6 +302,39 @@ void test_driver_int8_min(const MicroKernel& kern, uint64_t seed) {
   for (int64_t i = 0; i < s.m * s.n; ++i) mismatches += out[i] != want[i];
   CHECK(mismatches == 0, "%s: driver with -128 in A and W: %" PRId64 " mismatches", kern.name, mismatches);
   std::printf("  %-12s driver, -128 in A and W: %" PRId64 " mismatches\n", kern.name, mismatches);
+}
+
+// dynamic_for over real threads: every item claimed exactly once, and a variant's per-thread hooks run once on each
+// thread that took a claim, enter before its first claim and leave after its last.
+thread_local int t_entered = 0, t_left = 0;
+std::atomic<int> g_enter_calls{0}, g_leave_calls{0};
+void count_enter() { ++t_entered, ++g_enter_calls; }
+void count_leave() { ++t_left, ++g_leave_calls; }
+
+void test_dynamic_for_threads_and_hooks() {
+  const ParallelFor four_threads = [](int64_t begin, int64_t end, int64_t,
+                                      const std::function<void(int64_t, int64_t)>& body) {
+    std::vector<std::thread> threads;
+    const int64_t share = (end - begin + 3) / 4;
+    for (int64_t b = begin; b < end; b += share) threads.emplace_back(body, b, std::min(end, b + share));
+    for (auto& t : threads) t.join();
+  };
+  const int64_t count = 1000;
+  std::vector<std::atomic<int>> hits(count);
+  std::atomic<int> hook_errors{0};
+  g_enter_calls = g_leave_calls = 0;
+  dynamic_for(count, 7, four_threads, [&](int64_t t0, int64_t t1) {
+    if (t_entered != 1 || t_left != 0) ++hook_errors;  // inside a claim: entered once, not yet left
+    for (int64_t t = t0; t < t1; ++t) ++hits[t];
+    std::this_thread::sleep_for(std::chrono::microseconds(20));  // long enough claims for the other threads to join
+  }, count_enter, count_leave);
+  int64_t wrong = 0;
+  for (auto& h : hits) wrong += h.load() != 1;
+  CHECK(wrong == 0 && hook_errors == 0 && g_enter_calls == g_leave_calls && g_enter_calls >= 1 &&
+            g_enter_calls <= 4,
+        "dynamic_for: %" PRId64 " items not run exactly once, %d hook errors, %d enters, %d leaves", wrong,
+        hook_errors.load(), g_enter_calls.load(), g_leave_calls.load());
+  std::printf("  dynamic_for on 4 threads: every item once, hooks balanced on %d threads\n", g_enter_calls.load());
 }
 
 // ---- Packed weights are untrusted input: every malformed blob is rejected (std::invalid_argument) or read exactly.
@@ -355,7 +395,7 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   const int64_t n = 37, k = 96;  // K = 96 is a whole number of k groups for kr = 4 and 8
   std::mt19937_64 rng(7);
   const auto w = random_int8(rng, n * k, -127, 127);
-  const int64_t nbytes = packed_weight_nbytes(n, k, kern.layout, "w");
+  const int64_t nbytes = packed_weight_nbytes(n, k, kern.geometry().layout, "w");
   std::vector<uint8_t> good(nbytes);
   pack_weight(kern, w.data(), n, k, k, good.data(), serial_for);
   std::vector<float> want;
@@ -370,7 +410,7 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   std::vector<uint8_t> b = good;
   std::memset(b.data() + offsetof(PackedWeightHeader, packed_by), 'A', sizeof(PackedWeightHeader::packed_by));
   std::memset(b.data() + sizeof(PackedWeightHeader), 0x11, nbytes - sizeof(PackedWeightHeader));
-  put_field<uint16_t>(b.data(), offsetof(PackedWeightHeader, kr), kern.layout.kr == 8 ? 4 : 8);
+  put_field<uint16_t>(b.data(), offsetof(PackedWeightHeader, kr), kern.geometry().layout.kr == 8 ? 4 : 8);
   reseal(b.data(), nbytes);
   expect("unterminated packed_by", b, "packed_by is not a NUL-terminated");
   b = good;
@@ -393,14 +433,14 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   b[200] ^= 0x20;
   expect("flipped body byte", b, "checksum mismatch");
   b = good;
-  const int64_t sums_at = nbytes - 4 * round_up_to(n, kern.layout.nr);
+  const int64_t sums_at = nbytes - 4 * round_up_to(n, kern.geometry().layout.nr);
   b[sums_at + 4 * 5] += 1;
   reseal(b.data(), nbytes);
   expect("channel sum edit", b, "channel sums do not match its panels (channel 5)");
   b = good;
-  const int64_t last = round_up_to(n, kern.layout.nr) - 1;  // a padding channel
-  b[sizeof(PackedWeightHeader) + (last / kern.layout.nr) * round_up_to(k, kern.layout.kr) * kern.layout.nr +
-    kern.layout.index(3, static_cast<int>(last % kern.layout.nr))] = 9;
+  const int64_t last = round_up_to(n, kern.geometry().layout.nr) - 1;  // a padding channel
+  b[sizeof(PackedWeightHeader) + (last / kern.geometry().layout.nr) * round_up_to(k, kern.geometry().layout.kr) * kern.geometry().layout.nr +
+    kern.geometry().layout.index(3, static_cast<int>(last % kern.geometry().layout.nr))] = 9;
   put_field<int32_t>(b.data(), sums_at + 4 * last, 9);
   reseal(b.data(), nbytes);
   expect("nonzero padding", b, "padding is not zero");
@@ -410,7 +450,7 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   expect("version 2", b, "re-pack");
   if (kern.reads_any_layout) {
     const int64_t k20 = 20;
-    std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, kern.layout, "w"));
+    std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, kern.geometry().layout, "w"));
     pack_weight(kern, w.data(), 16, k20, k20, b20.data(), serial_for);
     put_field<uint16_t>(b20.data(), offsetof(PackedWeightHeader, kr), 5);
     reseal(b20.data(), static_cast<int64_t>(b20.size()));
@@ -436,7 +476,7 @@ void fuzz_packed_weights(const MicroKernel& kern, uint64_t seed, int cases) {
   std::mt19937_64 rng(seed);
   const int64_t n = 21, k = 30;
   const auto w = random_int8(rng, n * k, -127, 127);
-  const int64_t nbytes = packed_weight_nbytes(n, k, kern.layout, "w");
+  const int64_t nbytes = packed_weight_nbytes(n, k, kern.geometry().layout, "w");
   std::vector<uint8_t> good(nbytes);
   pack_weight(kern, w.data(), n, k, k, good.data(), serial_for);
   std::vector<float> want, got;
@@ -524,6 +564,7 @@ int run(int argc, char** argv) {
     return 1;
   }
   test_crc32c();
+  test_dynamic_for_threads_and_hooks();
   test_driver_identical(runnable, seed);
   g_failures += run_moe_tests(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");

@@ -85,7 +85,7 @@ int run_moe_tests(const std::vector<const MicroKernel*>& kernels, uint64_t seed)
         ids[t * c.topk + k] = c.skew ? k : (t * 7 + k * (c.experts / c.topk)) % c.experts;
     const auto want = scalar_moe(c, x, w13, s13, w2, s2, weights, ids);
     for (const MicroKernel* kern : kernels) {
-      const PanelLayout layout = kern->layout;
+      const PanelLayout layout = kern->geometry().layout;
       const int64_t b13 = packed_weight_nbytes(2 * c.inter, c.h, layout, "w13"),
                     b2 = packed_weight_nbytes(c.h, c.inter, layout, "w2");
       std::vector<uint8_t> p13(c.experts * b13), p2(c.experts * b2);

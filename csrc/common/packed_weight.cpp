@@ -1,0 +1,259 @@
+#include "packed_weight.h"
+
+#include <algorithm>
+#include <cinttypes>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "cpu_features.h"
+
+namespace w8a8_cpu {
+
+#ifdef W8A8_CPU_HAVE_SSE42_CRC
+uint32_t crc32c_sse42(uint32_t crc, const void* data, size_t n);  // csrc/x86_64/crc32c_sse42.cpp
+#endif
+
+namespace {
+
+static_assert(offsetof(PackedWeightHeader, checksum) == kChecksumOffset, "checksum field moved");
+static_assert(offsetof(PackedWeightHeader, packed_by) + sizeof(PackedWeightHeader::packed_by) == kChecksumOffset,
+              "packed_by must end where the checksum starts");
+
+// Slicing-by-8 tables of the reflected Castagnoli polynomial, built at compile time: t[0] is the classic
+// byte-at-a-time table, t[i][b] = the CRC of byte b followed by i zero bytes.
+struct Crc32cTables {
+  uint32_t t[8][256];
+};
+constexpr Crc32cTables make_crc32c_tables() {
+  Crc32cTables tables{};
+  for (uint32_t b = 0; b < 256; ++b) {
+    uint32_t c = b;
+    for (int i = 0; i < 8; ++i) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    tables.t[0][b] = c;
+  }
+  for (int i = 1; i < 8; ++i)
+    for (uint32_t b = 0; b < 256; ++b)
+      tables.t[i][b] = (tables.t[i - 1][b] >> 8) ^ tables.t[0][tables.t[i - 1][b] & 0xff];
+  return tables;
+}
+constexpr Crc32cTables kCrc32c = make_crc32c_tables();
+
+uint32_t load_le32(const uint8_t* p) {  // byte by byte, so the CRC does not depend on the host's byte order
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+}
+
+// What pack_weight writes: 1 to 11 printable ASCII characters, then NUL bytes to the end of the field.
+bool valid_packed_by(const PackedWeightHeader& h) {
+  const size_t len = strnlen(h.packed_by, sizeof h.packed_by);
+  if (len == 0 || len == sizeof h.packed_by) return false;
+  for (size_t i = 0; i < sizeof h.packed_by; ++i) {
+    const auto c = static_cast<unsigned char>(h.packed_by[i]);
+    if (i < len ? (c < 0x20 || c > 0x7e) : c != 0) return false;
+  }
+  return true;
+}
+
+// acc[i] += group[i] for i < len over `groups` consecutive groups of len bytes (one k group of a panel: nr
+// channels x kr k). The shipped layouts' lengths are compile-time constants, so the loop vectorizes at -O2.
+template <int Len>
+void sum_groups_fixed(const int8_t* p, int64_t groups, int32_t* acc) {
+  for (int64_t g = 0; g < groups; ++g, p += Len)
+    for (int i = 0; i < Len; ++i) acc[i] += p[i];
+}
+void sum_groups(const int8_t* p, int64_t groups, int len, int32_t* acc) {
+  if (len == 64) return sum_groups_fixed<64>(p, groups, acc);    // 16 x 4
+  if (len == 128) return sum_groups_fixed<128>(p, groups, acc);  // 16 x 8
+  for (int64_t g = 0; g < groups; ++g, p += len)
+    for (int i = 0; i < len; ++i) acc[i] += p[i];
+}
+
+PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, const char* arg) {
+  PackedWeightSizes sizes;
+  if (!packed_weight_sizes(n, k, layout, &sizes))
+    throw std::invalid_argument(std::string(arg) + ": a [" + std::to_string(n) + ", " + std::to_string(k) +
+                                "] weight is outside the packed weight format (1 <= N <= " +
+                                std::to_string(kMaxPackedN) + ", 1 <= K <= " + std::to_string(kMaxK) + ")");
+  return sizes;
+}
+
+[[noreturn]] void throw_corrupted(const char* arg, const std::string& what) {
+  throw std::invalid_argument(std::string(arg) + ": packed weight " + what +
+                              ": the blob is corrupted; re-pack the raw weight with pack_weight");
+}
+
+}  // namespace
+
+std::string packed_by_name(const PackedWeightHeader& h) {
+  return std::string(h.packed_by, strnlen(h.packed_by, sizeof h.packed_by));
+}
+
+uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  const auto& t = kCrc32c.t;
+  crc = ~crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    const uint32_t lo = crc ^ load_le32(p), hi = load_le32(p + 4);
+    crc = t[7][lo & 0xff] ^ t[6][(lo >> 8) & 0xff] ^ t[5][(lo >> 16) & 0xff] ^ t[4][lo >> 24] ^ t[3][hi & 0xff] ^
+          t[2][(hi >> 8) & 0xff] ^ t[1][(hi >> 16) & 0xff] ^ t[0][hi >> 24];
+  }
+  for (; n > 0; --n, ++p) crc = t[0][(crc ^ *p) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
+#ifdef W8A8_CPU_HAVE_SSE42_CRC
+  if (cpu_features() & kFeatSse42) return crc32c_sse42(crc, data, n);
+#endif
+  return crc32c_portable(crc, data, n);
+}
+
+uint32_t packed_weight_checksum(const uint8_t* blob, int64_t nbytes) {
+  const uint32_t head = crc32c(0, blob, kChecksumOffset);
+  const int64_t header = sizeof(PackedWeightHeader);
+  return crc32c(head, blob + header, static_cast<size_t>(nbytes - header));
+}
+
+bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, PackedWeightSizes* sizes) {
+  if (layout.nr < 1 || layout.nr > kMaxPanelWidth || layout.kr < 1 || layout.kr > kMaxPanelDepth || n < 1 ||
+      n > kMaxPackedN || k < 1 || k > kMaxK)
+    return false;
+  // Within those bounds nothing below can overflow (the body is < 2^49 bytes); checked anyway, so that raising a
+  // bound can never turn a hostile header into a small size.
+  const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, layout.kr);
+  int64_t panel_bytes, sum_bytes, col_sums_offset, nbytes;
+  if (__builtin_mul_overflow(n_padded, k_padded, &panel_bytes) ||
+      __builtin_add_overflow(panel_bytes, static_cast<int64_t>(sizeof(PackedWeightHeader)), &col_sums_offset) ||
+      __builtin_mul_overflow(n_padded, int64_t{4}, &sum_bytes) ||
+      __builtin_add_overflow(col_sums_offset, sum_bytes, &nbytes))
+    return false;
+  *sizes = {n_padded, k_padded, col_sums_offset, nbytes};
+  return true;
+}
+
+int64_t packed_weight_nbytes(int64_t n, int64_t k, PanelLayout layout, const char* arg) {
+  return checked_sizes(n, k, layout, arg).nbytes;
+}
+
+bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout) {
+  const PanelLayout own = kernel.geometry().layout;
+  return kernel.reads_any_layout || (own.nr == layout.nr && own.kr == layout.kr);
+}
+
+void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
+                 const ParallelFor& parallel_for) {
+  const PanelLayout layout = kernel.geometry().layout;
+  const int nr = layout.nr;
+  const PackedWeightSizes sizes = checked_sizes(n, k, layout, "w");
+  PackedWeightHeader header{};
+  if (std::strlen(kernel.name) >= sizeof header.packed_by)
+    throw std::logic_error(std::string("variant name '") + kernel.name + "' does not fit the packed weight header");
+  std::memcpy(header.magic, kPackedMagic, sizeof kPackedMagic);
+  header.version = kPackedVersion;
+  header.nr = static_cast<uint16_t>(nr);
+  header.kr = static_cast<uint16_t>(layout.kr);
+  header.n = n;
+  header.k = k;
+  header.n_padded = sizes.n_padded;
+  header.k_padded = sizes.k_padded;
+  std::memcpy(header.packed_by, kernel.name, std::strlen(kernel.name));
+  std::memcpy(blob, &header, sizeof header);
+  auto* panels = reinterpret_cast<int8_t*>(blob + sizeof header);
+  uint8_t* col_sums = blob + sizes.col_sums_offset;  // any alignment: stored with memcpy
+  const int64_t panel_bytes = sizes.k_padded * nr;
+  parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int8_t* panel = panels + p * panel_bytes;
+      for (int j = 0; j < nr; ++j) {
+        const int64_t row = p * nr + j;
+        int32_t sum = 0;
+        for (int64_t kk = 0; kk < sizes.k_padded; ++kk) {
+          const int8_t v = (row < n && kk < k) ? w[row * ldw + kk] : 0;
+          panel[layout.index(kk, j)] = v;
+          sum += v;
+        }
+        std::memcpy(col_sums + row * 4, &sum, 4);
+      }
+    }
+  });
+  const uint32_t checksum = packed_weight_checksum(blob, sizes.nbytes);
+  std::memcpy(blob + kChecksumOffset, &checksum, sizeof checksum);
+}
+
+PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const char* arg) {
+  const std::string name(arg);
+  PackedWeightHeader h;  // copied out: the blob may sit at any byte address
+  if (nbytes < static_cast<int64_t>(sizeof h))
+    throw std::invalid_argument(name + ": a 1-D uint8 tensor of " + std::to_string(nbytes) +
+                                " bytes is too short to be a packed weight (expected the output of pack_weight)");
+  std::memcpy(&h, blob, sizeof h);
+  if (std::memcmp(h.magic, kPackedMagic, sizeof kPackedMagic) != 0)
+    throw std::invalid_argument(name + ": 1-D uint8 tensor is not a packed weight (bad magic); pass the output of "
+                                "pack_weight or a raw int8 [N, K] weight");
+  if (h.version != kPackedVersion)
+    throw std::invalid_argument(name + ": packed weight format version " + std::to_string(h.version) +
+                                " is not supported (this build reads version " + std::to_string(kPackedVersion) +
+                                "); re-pack the raw weight with pack_weight");
+  if (!valid_packed_by(h))
+    throw std::invalid_argument(name + ": packed weight header: packed_by is not a NUL-terminated printable ASCII "
+                                "variant name (corrupted blob)");
+  const PanelLayout layout{h.nr, h.kr};
+  PackedWeightSizes sizes;
+  if (!packed_weight_sizes(h.n, h.k, layout, &sizes) || sizes.n_padded != h.n_padded || sizes.k_padded != h.k_padded)
+    throw std::invalid_argument(
+        name + ": packed weight header: n = " + std::to_string(h.n) + ", k = " + std::to_string(h.k) + ", panel " +
+        std::to_string(h.nr) + "x" + std::to_string(h.kr) + ", padded to " + std::to_string(h.n_padded) + " x " +
+        std::to_string(h.k_padded) + " is outside the format (1 <= n <= " + std::to_string(kMaxPackedN) +
+        ", 1 <= k <= " + std::to_string(kMaxK) + ", panel at most " + std::to_string(kMaxPanelWidth) + "x" +
+        std::to_string(kMaxPanelDepth) + ", padding to the next panel multiple) (corrupted blob)");
+  if (sizes.nbytes != nbytes)
+    throw std::invalid_argument(name + ": packed weight header is inconsistent with its size: it describes " +
+                                std::to_string(sizes.nbytes) + " bytes, the tensor has " + std::to_string(nbytes) +
+                                " (corrupted or truncated blob)");
+  return {h, layout, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h), blob + sizes.col_sums_offset};
+}
+
+void load_col_sums(const PackedWeightView& w, int64_t first, int64_t count, int32_t* dst) {
+  std::memcpy(dst, w.col_sums + first * 4, static_cast<size_t>(count) * 4);
+}
+
+void verify_packed_weight(const PackedWeightView& w, const char* arg) {
+  const uint32_t computed = packed_weight_checksum(w.blob, w.nbytes);
+  if (computed != w.header.checksum) {
+    char detail[96];
+    std::snprintf(detail, sizeof detail, "checksum mismatch (stored 0x%08" PRIx32 ", computed 0x%08" PRIx32 ")",
+                  w.header.checksum, computed);
+    throw_corrupted(arg, detail);
+  }
+  // The checksum catches accidents, not edits: anyone can recompute it. So what the tiles trust is checked too:
+  // each stored channel sum against its panel (the VNNI / ppc64 tiles subtract 128 * sum rather than summing the
+  // weights) and zero padding (pack_a_rows only promises that A's padding contributes 0 against a zero weight).
+  const PackedWeightHeader& h = w.header;
+  const int nr = w.layout.nr, kr = w.layout.kr, group = nr * kr;
+  const int64_t groups = h.k_padded / kr, panels = h.n_padded / nr;
+  int32_t acc[kMaxPanelWidth * kMaxPanelDepth], stored[kMaxPanelWidth];
+  for (int64_t p = 0; p < panels; ++p) {
+    const int8_t* panel = w.panels + p * groups * group;
+    std::fill(acc, acc + group, 0);
+    sum_groups(panel, groups, group, acc);
+    load_col_sums(w, p * nr, nr, stored);
+    for (int j = 0; j < nr; ++j) {
+      int32_t sum = 0;
+      for (int r = 0; r < kr; ++r) sum += acc[j * kr + r];
+      if (sum != stored[j]) throw_corrupted(arg, "channel sums do not match its panels (channel " +
+                                                     std::to_string(p * nr + j) + ")");
+    }
+    // Padding: k >= K in every channel (all in the last k group), and every k of channels >= N.
+    for (int j = 0; j < nr; ++j) {
+      const bool padded_channel = p * nr + j >= h.n;
+      for (int64_t kk = padded_channel ? 0 : h.k; kk < h.k_padded; ++kk)
+        if (panel[w.layout.index(kk, j)] != 0)
+          throw_corrupted(arg, "padding is not zero (channel " + std::to_string(p * nr + j) + ", k " +
+                                   std::to_string(kk) + ")");
+    }
+  }
+}
+
+}  // namespace w8a8_cpu

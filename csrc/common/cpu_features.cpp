@@ -2,6 +2,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#elif defined(__APPLE__) && defined(__aarch64__)
+#include <sys/sysctl.h>
 #elif defined(__linux__) && (defined(__aarch64__) || defined(__powerpc64__))
 #include <sys/auxv.h>
 #endif
@@ -33,6 +35,22 @@ uint64_t probe() {
   if ((f & kFeatAvx2) && zmm_os && avx512f && avx512bw && avx512vl && avx512vnni) f |= kFeatAvx512Vnni;
   if (amx_os && amx_int8) f |= kFeatAmxInt8;
   return f;
+}
+#elif defined(__APPLE__) && defined(__aarch64__)
+// macOS on Apple Silicon: no auxv; the kernel publishes each Arm feature as a sysctl (1 when present). Every Apple
+// Silicon CPU has Advanced SIMD. UNTESTED here (no macOS machine in this project's CI; see docs/ADDING_A_VARIANT.md).
+bool sysctl_flag(const char* name) {
+  int value = 0;
+  size_t size = sizeof value;
+  return sysctlbyname(name, &value, &size, nullptr, 0) == 0 && value == 1;
+}
+
+uint64_t probe() {
+  uint64_t f = kFeatAsimd;
+  if (sysctl_flag("hw.optional.arm.FEAT_DotProd")) f |= kFeatDotprod;
+  if (sysctl_flag("hw.optional.arm.FEAT_I8MM")) f |= kFeatI8mm;
+  if (sysctl_flag("hw.optional.arm.FEAT_BF16")) f |= kFeatBf16;
+  return f;  // no SVE on Apple Silicon; SME (M4) is not used by any variant yet
 }
 #elif defined(__aarch64__)
 uint64_t probe() {

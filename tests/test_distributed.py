@@ -128,7 +128,7 @@ def case_bad_configs(rank: int, world_size: int) -> dict:
         different.model.layers[1].mlp.up_proj.w_scale.mul_(1.0001)
     return {
         "heads": _error_of(lambda: distributed.shard_model(
-            _tiny_model("llama", num_attention_heads=9, num_key_value_heads=3), attention="shard")),
+            _tiny_model("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), attention="shard")),
         "intermediate": _error_of(lambda: distributed.shard_model(_tiny_model("llama", intermediate_size=99))),
         "experts": _error_of(lambda: distributed.shard_model(_tiny_model("mixtral", num_local_experts=5))),
         "weights": _error_of(lambda: distributed.shard_model(different)),
@@ -136,6 +136,15 @@ def case_bad_configs(rank: int, world_size: int) -> dict:
 
 
 def case_dead_rank(rank: int, world_size: int) -> dict:
+    return _lost_rank(rank, lambda: os._exit(3))  # dies mid-run, without a goodbye
+
+
+def case_stalled_rank(rank: int, world_size: int) -> dict:
+    return _lost_rank(rank, lambda: (time.sleep(3 * DEAD_RANK_TIMEOUT_S), os._exit(3)))  # hangs, then dies
+
+
+def _lost_rank(rank: int, lose) -> dict:
+    """Rank 1 stops taking part after one forward; rank 0 reports how its next forward ends and when."""
     from w8a8_cpu import distributed
     from w8a8_cpu.nn import W8A8Linear
 
@@ -144,7 +153,7 @@ def case_dead_rank(rank: int, world_size: int) -> dict:
     x = torch.randn(3, 32)
     row(x)  # every rank is up and talking
     if rank == 1:
-        os._exit(3)  # dies mid-run, without a goodbye
+        lose()
     t0 = time.perf_counter()
     try:
         row(x)
@@ -158,7 +167,7 @@ def _rank_main(case: str, out: str) -> None:
     torch.set_num_threads(1)
     from w8a8_cpu import distributed
 
-    distributed.init(timeout_s=DEAD_RANK_TIMEOUT_S if case == "dead_rank" else LAUNCH_TIMEOUT_S)
+    distributed.init(timeout_s=DEAD_RANK_TIMEOUT_S if case.endswith("_rank") else LAUNCH_TIMEOUT_S)
     rank, world_size = distributed.dist.get_rank(), distributed.dist.get_world_size()
     result = globals()[f"case_{case}"](rank, world_size)
     torch.save(result, Path(out) / f"rank{rank}.pt")
@@ -202,6 +211,71 @@ def launch_ok(case: str, world_size: int, tmp: Path):
     results, codes, outputs = launch(case, world_size, tmp)
     assert codes == [0] * world_size, "\n".join(o[-3000:] for o in outputs)
     return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def world_size(request):
+    return request.param
+
+
+def test_sharded_layers_are_bit_identical(world_size, tmp_path):
+    results = launch_ok("layers", world_size, tmp_path)
+    for name, (want, got) in results[0].items():
+        if "fp32-reduce" not in name:
+            assert torch.equal(got, want), name
+    # the usual scheme (per-rank scales, fp32 all-reduce) is not: the test can see a difference
+    assert not torch.equal(*results[0]["row-fp32-reduce-torch.float32-33"])
+    assert not torch.equal(*results[0]["experts-top4-fp32-reduce"])
+    for other in results[1:]:  # every rank holds the same full output of a row-parallel layer
+        assert all(torch.equal(other[name][1], results[0][name][1]) for name in other if name.startswith("row"))
+
+
+def _assert_model_identical(results, name):
+    first = results[0][name]
+    assert torch.equal(first["got_logits"], first["want_logits"]), \
+        (first["got_logits"] - first["want_logits"]).abs().max().item()
+    assert torch.equal(first["got_tokens"], first["want_tokens"])
+    for other in results[1:]:
+        assert torch.equal(other[name]["got_logits"], first["got_logits"])
+        assert torch.equal(other[name]["got_tokens"], first["got_tokens"])
+
+
+def test_tiny_llama_and_moe_models_are_bit_identical(world_size, tmp_path):
+    results = launch_ok("models", world_size, tmp_path)
+    for arch in TINY:
+        assert results[0][arch]["attention"] == "sharded"
+        _assert_model_identical(results, arch)
+
+
+def test_smollm2_is_bit_identical(world_size, tmp_path):
+    from w8a8_cpu.llm import smollm2
+
+    require_optional(smollm2.available(), smollm2.INSTALL_HINT)
+    results = launch_ok("smollm2", world_size, tmp_path)
+    # 9 heads / 3 KV heads: 3 ranks split attention, 2 ranks replicate it (and say so) and split the MLPs
+    assert results[0]["smollm2"]["attention"] == ("sharded" if world_size == 3 else "replicated")
+    assert bool(results[0]["smollm2"]["notes"]) == (world_size == 2)
+    _assert_model_identical(results, "smollm2")
+
+
+def test_bad_configurations_raise_clear_errors(tmp_path):
+    results = launch_ok("bad_configs", 2, tmp_path)
+    for errors in results:
+        assert "world size 2 does not divide the 9 attention heads and 3 KV heads" in errors["heads"]
+        assert "does not divide the intermediate size of model.layers.0.mlp (99)" in errors["intermediate"]
+        assert "does not divide the number of experts of model.layers.0.mlp.experts (5)" in errors["experts"]
+        assert "rank 1's weights differ from rank 0's at model.layers.1.mlp.up_proj.w_scale" in errors["weights"]
+
+
+@pytest.mark.parametrize("case", ["dead_rank", "stalled_rank"])
+def test_a_lost_rank_makes_the_others_fail_within_the_timeout(case, tmp_path):
+    results, codes, outputs = launch(case, 2, tmp_path, timeout_s=LAUNCH_TIMEOUT_S)
+    assert codes[1] == 3, outputs[1][-2000:]
+    assert codes[0] == 0, outputs[0][-2000:]
+    message, seconds = results[0]["message"], results[0]["seconds"]
+    assert "row: row absmax failed on rank 0 of 2: another rank most likely died or stalled" in message
+    assert f"collectives wait at most {DEAD_RANK_TIMEOUT_S} s" in message
+    assert seconds < DEAD_RANK_TIMEOUT_S + 5  # a dead peer is seen at once, a silent one at the timeout
 
 
 if __name__ == "__main__":

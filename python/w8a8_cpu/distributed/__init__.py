@@ -250,7 +250,7 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
         for child_name, child in list(module.named_children()):
             if isinstance(child, W8A8Experts):
                 full = f"{name}.{child_name}" if name else child_name
-                experts = _split(child.num_experts, world_size, rank, f"the {child.num_experts} experts of {full}")
+                experts = _split(child.num_experts, world_size, rank, f"the number of experts of {full}")
                 setattr(module, child_name, ExpertParallelW8A8Experts(child, experts, full, exact, group))
                 report.layers[full] = f"expert-parallel ({child.num_experts // world_size} experts per rank)"
     return report

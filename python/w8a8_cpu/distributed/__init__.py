@@ -189,7 +189,8 @@ def check_same_weights(model: torch.nn.Module, group=None) -> None:
     for rank, theirs in enumerate(everyone):
         if theirs.keys() != reference.keys():
             raise ValueError(f"model: rank {rank} holds other tensors than rank 0 "
-                             f"({sorted(theirs.keys() ^ reference.keys())[:3]}...); every rank must load the same model")
+                             f"({sorted(theirs.keys() ^ reference.keys())[:3]}...); every rank must load the same "
+                             f"model")
         differ = [name for name in reference if theirs[name] != reference[name]]
         if differ:
             more = f" and {len(differ) - 1} more tensors" if len(differ) > 1 else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -43,9 +43,18 @@ def _tokens(tokenizer, path: Path, count: int, what: str) -> torch.Tensor:
     return ids[:count]
 
 
+def chat_prompt_ids(tokenizer) -> torch.Tensor:
+    """The greedy-generation prompt: CHAT_PROMPT in the model's chat template, token ids [T]."""
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
+                                         tokenize=False)
+    return torch.tensor(tokenizer(chat, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
 def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibration_tokens: int = 1024,
-        new_tokens: int = 64, prefill_tokens: int = 512, bench: bool = True, show_progress: bool = True) -> dict:
-    """The main job; returns its results (print_report prints them)."""
+        new_tokens: int = 64, prefill_tokens: int = 512, bench: bool = True, show_progress: bool = True,
+        prepare_w8a8: Optional[Callable[[str, torch.nn.Module], None]] = None) -> dict:
+    """The main job; returns its results (print_report prints them). prepare_w8a8(name, model) is called on each
+    W8A8 model once it is quantized (w8a8_cpu.distributed.llm shards them there)."""
     n_windows = len(evaluate.windows(eval_tokens, window, stride))
     progress = Progress(7 + n_windows + bench, enabled=show_progress, name="llm")
     progress.step("loading SmolLM2-135M-Instruct (offline)")
@@ -56,10 +65,14 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     progress.step("W8A8 round-to-nearest")
     models: Dict[str, torch.nn.Module] = {FP32: fp32}
     models[RTN] = w8a8_cpu.nn.quantize_model(copy.deepcopy(fp32), skip=KEEP_FLOAT)
+    if prepare_w8a8:
+        prepare_w8a8(RTN, models[RTN])
     progress.step(f"SmoothQuant calibration ({calibration_tokens} tokens)")
     smoothed = copy.deepcopy(fp32)
     smooth_report = smooth_quant(smoothed, calib_ids.unsqueeze(0), alpha=SMOOTHQUANT_ALPHA)
     models[SQ] = w8a8_cpu.nn.quantize_model(smoothed, skip=KEEP_FLOAT)
+    if prepare_w8a8:
+        prepare_w8a8(SQ, models[SQ])
     progress.step("torch.ao dynamic int8")
     try:
         models[AO] = ao_dynamic(copy.deepcopy(fp32), skip=KEEP_FLOAT)
@@ -70,9 +83,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     accuracy = evaluate.compare_on_text(models, FP32, eval_ids, window, stride,
                                         on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
 
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
-                                         tokenize=False)
-    prompt_ids = torch.tensor(tokenizer(chat, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    prompt_ids = chat_prompt_ids(tokenizer)
     progress.step(f"greedy generation, {new_tokens} tokens each")
     generated = {name: evaluate.greedy(model, prompt_ids, new_tokens) for name, model in models.items()}
     reference_tokens = generated[FP32]["tokens"]

@@ -1,0 +1,284 @@
+"""Tensor-parallel W8A8 over torch.distributed (gloo on CPU; the same code runs under torchrun across hosts).
+
+    group = w8a8_cpu.distributed.init(timeout_s=60)      # env:// (torchrun), gloo, a process-group timeout
+    report = w8a8_cpu.distributed.shard_model(model)     # a model quantized by quantize_model / load_quantized
+
+Megatron-style split of each decoder layer: q/k/v and gate/up column-parallel (each rank keeps its rows: its heads,
+its slice of the intermediate size), o_proj and down_proj row-parallel (each rank keeps the matching K columns),
+MoE experts split across ranks (expert parallel). Embeddings, norms, routers and lm_head are replicated.
+
+Exactness: a row-parallel layer quantizes each token over the whole K, which is spread across ranks. The row absmax
+is reduced first (all-reduce MAX of M floats), each rank quantizes its slice with that shared scale, the int32 partial
+products are summed exactly (all-reduce SUM of int32) and the fp32 epilogue runs once: the output is bit-identical to
+the unsharded layer for any world size. The MoE combine keeps one process's float summation order: each rank computes
+the (token, slot) outputs of its experts, one all-reduce fills in every slot (each slot has exactly one non-zero
+contributor, so the sum is exact), and the slots are added in order as fused_experts adds them.
+exact=False selects the usual scheme for comparison: per-rank scales and one fp32 all-reduce of partial outputs."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators
+from ..nn import W8A8Experts, W8A8Linear
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailure(RuntimeError):
+    """A collective failed or timed out: another rank most likely died or stalled."""
+
+
+@dataclass
+class CommStats:
+    """Time, count and payload of this process's collectives since the last reset()."""
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.bytes = 0.0, 0, 0
+
+
+STATS = CommStats()
+_timeout_s: Optional[float] = None  # the timeout init() gave the process group, quoted in RankFailure
+
+
+def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
+    """Join the process group described by the environment (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) with a timeout, so that a rank that dies makes the others raise RankFailure instead of waiting
+    forever. Returns the default group."""
+    global _timeout_s
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise ValueError(f"environment: {', '.join(missing)} not set; start the ranks with torchrun "
+                         f"(torchrun --nproc-per-node N -m ...) or set them")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _timeout_s = timeout_s
+    return dist.group.WORLD
+
+
+def _collective(what: str, fn, *tensors: torch.Tensor) -> None:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except RuntimeError as e:
+        limit = f"{_timeout_s:g} s" if _timeout_s is not None else "the process group's timeout"
+        raise RankFailure(f"{what} failed on rank {dist.get_rank()} of {dist.get_world_size()}: another rank most "
+                          f"likely died or stalled (collectives wait at most {limit}): {e}") from e
+    STATS.seconds += time.perf_counter() - t0
+    STATS.calls += 1
+    STATS.bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+
+def all_reduce(tensor: torch.Tensor, op, what: str, group=None) -> torch.Tensor:
+    """In-place all-reduce, timed into STATS; a failure raises RankFailure naming `what`."""
+    _collective(what, lambda: dist.all_reduce(tensor, op=op, group=group), tensor)
+    return tensor
+
+
+def _split(total: int, parts: int, rank: int, what: str) -> slice:
+    if total % parts:
+        raise ValueError(f"world size {parts} does not divide {what} ({total}); choose a world size that divides it")
+    size = total // parts
+    return slice(rank * size, (rank + 1) * size)
+
+
+def column_parallel(layer: W8A8Linear, rows: slice) -> W8A8Linear:
+    """The output channels `rows` of `layer`, as a W8A8Linear: the input is replicated and quantized over its
+    whole K on every rank, so these columns of the output are bit-identical to the unsharded layer's."""
+    bias = None if layer.bias is None else layer.bias[rows]
+    return W8A8Linear(layer.int8_weight()[rows], layer.w_scale[rows], bias)
+
+
+class RowParallelW8A8Linear(torch.nn.Module):
+    """The input columns `cols` of a W8A8Linear; forward takes this rank's K-slice of the input and returns the
+    full output on every rank (see the module doc: exact=True is bit-identical to the unsharded layer)."""
+
+    def __init__(self, layer: W8A8Linear, cols: slice, name: str, exact: bool = True, group=None):
+        super().__init__()
+        self.name, self.exact, self.group = name, exact, group
+        self.out_features = layer.out_features
+        self.in_features = cols.stop - cols.start
+        self.rank = dist.get_rank(group)
+        self.register_buffer("weight_packed", W8A8Linear(layer.int8_weight()[:, cols], layer.w_scale).weight_packed)
+        self.register_buffer("w_scale", layer.w_scale)
+        self.register_buffer("bias", layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.exact:
+            amax = all_reduce(x2.abs().amax(dim=-1).float(), dist.ReduceOp.MAX, f"{self.name}: row absmax", self.group)
+            x_q, x_scale = per_token_quant_int8(x2, amax)
+            acc = all_reduce(int8_mm(x_q, self.weight_packed), dist.ReduceOp.SUM, f"{self.name}: int32 partial sums",
+                             self.group)
+            out = scale_accumulators(acc, x_scale, self.w_scale, self.bias, x.dtype)
+        else:
+            bias = self.bias if self.rank == 0 else None  # added once
+            out = all_reduce(int8_scaled_mm_with_quant(x2, self.weight_packed, self.w_scale, bias, torch.float32),
+                             dist.ReduceOp.SUM, f"{self.name}: fp32 partial outputs", self.group).to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (slice), out_features={self.out_features}, exact={self.exact}"
+
+
+class ExpertParallelW8A8Experts(torch.nn.Module):
+    """This rank's experts `experts` of a W8A8Experts; forward(hidden [T, H], top_k_index [T, k], top_k_weights
+    [T, k]) returns the full MoE output on every rank (exact=True: bit-identical to the unsharded module)."""
+
+    def __init__(self, layer: W8A8Experts, experts: slice, name: str, exact: bool = True, group=None):
+        super().__init__()
+        self.name, self.exact, self.group = name, exact, group
+        self.first_expert, self.num_experts = experts.start, layer.num_experts
+        w13, w2 = layer.int8_weights()
+        self.local = W8A8Experts(w13[experts], layer.w13_scale[experts], w2[experts], layer.w2_scale[experts])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        local_ids = top_k_index - self.first_expert
+        token, slot = ((local_ids >= 0) & (local_ids < self.local.num_experts)).nonzero(as_tuple=True)
+        # fp32 slots: fused_experts quantizes bf16 and fp32 inputs alike, and adds the slots in fp32 before one cast
+        slots = torch.zeros(tokens, top_k, hidden_states.shape[-1], dtype=torch.float32)
+        if token.numel():
+            slots[token, slot] = fused_experts(
+                hidden_states[token].float(), self.local.w13_packed, self.local.w2_packed,
+                top_k_weights[token, slot].float().unsqueeze(1), local_ids[token, slot].unsqueeze(1),
+                self.local.w13_scale, self.local.w2_scale)
+        if not self.exact:
+            return all_reduce(slots.sum(dim=1), dist.ReduceOp.SUM, f"{self.name}: fp32 partial outputs",
+                              self.group).to(hidden_states.dtype)
+        all_reduce(slots, dist.ReduceOp.SUM, f"{self.name}: per-slot outputs", self.group)
+        out = torch.zeros(tokens, hidden_states.shape[-1], dtype=torch.float32)
+        for k in range(top_k):  # fused_experts' order: 0 + slot 0 + slot 1 + ...
+            out = out + slots[:, k]
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + self.local.num_experts - 1} of "
+                f"{self.num_experts}, exact={self.exact}")
+
+
+# ---- whole models ----------------------------------------------------------------------------------------------
+
+def weight_checksums(model: torch.nn.Module) -> Dict[str, int]:
+    """crc32 of every tensor of the model's state (packed int8 weights, scales, float parameters), by name."""
+    sums = {}
+    for name, tensor in model.state_dict().items():
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        sums[name] = zlib.crc32(raw.numpy().data)
+    return sums
+
+
+def check_same_weights(model: torch.nn.Module, group=None) -> None:
+    """Raise ValueError naming the first tensor and the ranks where the model differs from rank 0's."""
+    mine = weight_checksums(model)
+    everyone: List[Optional[Dict[str, int]]] = [None] * dist.get_world_size(group)
+    _collective("weight checksum exchange", lambda: dist.all_gather_object(everyone, mine, group=group))
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        if theirs.keys() != reference.keys():
+            raise ValueError(f"model: rank {rank} holds other tensors than rank 0 "
+                             f"({sorted(theirs.keys() ^ reference.keys())[:3]}...); every rank must load the same "
+                             f"model")
+        differ = [name for name in reference if theirs[name] != reference[name]]
+        if differ:
+            more = f" and {len(differ) - 1} more tensors" if len(differ) > 1 else ""
+            raise ValueError(f"model: rank {rank}'s weights differ from rank 0's at {differ[0]}{more} (crc32 of the "
+                             f"packed weights); every rank must load the same model")
+
+
+@dataclass
+class ShardReport:
+    world_size: int
+    attention: str  # "sharded" or "replicated"
+    layers: Dict[str, str] = field(default_factory=dict)  # module name -> how it was split
+    notes: List[str] = field(default_factory=list)
+
+
+def _attention_split(config, world_size: int, attention: str) -> Tuple[bool, Optional[str]]:
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    divides = heads % world_size == 0 and kv_heads % world_size == 0
+    if divides or attention == "replicate":
+        return attention != "replicate", None
+    problem = (f"world size {world_size} does not divide the {heads} attention heads and {kv_heads} KV heads "
+               f"(GQA: both must split)")
+    if attention == "shard":
+        raise ValueError(f"attention='shard': {problem}; choose a world size that divides both, or attention='auto' "
+                         f"to replicate attention")
+    return False, f"{problem}: attention is replicated on every rank, the MLP / experts are sharded"
+
+
+def _require_w8a8(module: torch.nn.Module, name: str) -> W8A8Linear:
+    if not isinstance(module, W8A8Linear):
+        raise ValueError(f"model: {name} is {type(module).__name__}, not W8A8Linear; shard_model splits quantized "
+                         f"models (quantize_model or load_quantized first, without skipping it)")
+    return module
+
+
+def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exact: bool = True,
+                check_weights: bool = True) -> ShardReport:
+    """Shard, in place, a transformers decoder LM (Llama / Qwen2 / Mixtral / Qwen2-MoE family) whose layers are
+    W8A8 across the ranks of `group`; every rank calls it on the same model. Returns what was split.
+
+    attention: "shard" (heads and KV heads split; the world size must divide both), "replicate", or "auto"
+    (shard when it divides, else replicate with a note in the report). MLPs (gate/up/down, including shared
+    experts) are always split and experts always expert-parallel: a world size that does not divide the
+    intermediate size or the number of experts raises ValueError. check_weights compares a checksum of every
+    tensor across ranks first (ValueError naming the first that differs)."""
+    if attention not in ("auto", "shard", "replicate"):
+        raise ValueError(f"attention: expected 'auto', 'shard' or 'replicate', got {attention!r}")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if check_weights:
+        check_same_weights(model, group)
+    split_attention, note = _attention_split(model.config, world_size, attention)
+    report = ShardReport(world_size, "sharded" if split_attention else "replicated", notes=[note] if note else [])
+    for name, module in list(model.named_modules()):
+        if split_attention and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            _shard_attention(module, name, model.config, world_size, rank, exact, group, report)
+        elif all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            _shard_mlp(module, name, world_size, rank, exact, group, report)
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, W8A8Experts):
+                full = f"{name}.{child_name}" if name else child_name
+                experts = _split(child.num_experts, world_size, rank, f"the number of experts of {full}")
+                setattr(module, child_name, ExpertParallelW8A8Experts(child, experts, full, exact, group))
+                report.layers[full] = f"expert-parallel ({child.num_experts // world_size} experts per rank)"
+    return report
+
+
+def _shard_attention(attn, name, config, world_size, rank, exact, group, report) -> None:
+    q, k, v, o = (_require_w8a8(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    head_dim = q.out_features // config.num_attention_heads
+    heads = _split(config.num_attention_heads, world_size, rank, f"the attention heads of {name}")
+    kv_heads = _split(config.num_key_value_heads, world_size, rank, f"the KV heads of {name}")
+    # contiguous head ranges keep GQA consistent: query head j reads KV head j // (heads / kv_heads) on every rank
+    q_rows = slice(heads.start * head_dim, heads.stop * head_dim)
+    kv_rows = slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)
+    attn.q_proj, attn.k_proj, attn.v_proj = column_parallel(q, q_rows), column_parallel(k, kv_rows), \
+        column_parallel(v, kv_rows)
+    attn.o_proj = RowParallelW8A8Linear(o, q_rows, f"{name}.o_proj", exact, group)
+    report.layers[name] = f"heads {heads.start}..{heads.stop - 1}, KV heads {kv_heads.start}..{kv_heads.stop - 1}"
+
+
+def _shard_mlp(mlp, name, world_size, rank, exact, group, report) -> None:
+    gate, up, down = (_require_w8a8(getattr(mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+    rows = _split(gate.out_features, world_size, rank, f"the intermediate size of {name}")
+    mlp.gate_proj, mlp.up_proj = column_parallel(gate, rows), column_parallel(up, rows)
+    mlp.down_proj = RowParallelW8A8Linear(down, rows, f"{name}.down_proj", exact, group)
+    report.layers[name] = f"intermediate {rows.start}..{rows.stop - 1}"
+
+
+__all__ = ["init", "shard_model", "check_same_weights", "weight_checksums", "column_parallel",
+           "RowParallelW8A8Linear", "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce",
+           "ShardReport"]

@@ -1,0 +1,282 @@
+"""Tensor-parallel W8A8 (w8a8_cpu.distributed) across 2 and 3 gloo processes on loopback: sharded layers, MoE
+experts and whole models bit-identical to one process, clear errors for bad configurations, and a dead rank making
+the others fail within the process-group timeout.
+
+Each launch starts its ranks as `python tests/test_distributed.py CASE ...` in new process groups, bounded in time;
+every rank runs 1 thread and rank 0 computes the one-process reference in the same process before sharding."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import python_command, require_optional
+
+pytestmark = pytest.mark.slow_under_emulation
+
+LAUNCH_TIMEOUT_S = 150
+DEAD_RANK_TIMEOUT_S = 10  # process-group timeout of the dead-rank case
+TINY_COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention_heads=12,
+                   num_key_value_heads=6, max_position_embeddings=128)
+TINY = {  # heads, KV heads, intermediate sizes and experts divisible by 2 and 3
+    "llama": dict(intermediate_size=192),
+    "qwen2_moe": dict(intermediate_size=192, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                      num_experts=6, num_experts_per_tok=4, decoder_sparse_step=1),
+    "mixtral": dict(intermediate_size=96, num_local_experts=6, num_experts_per_tok=2),
+}
+
+
+# ---- the ranks (run as a script) ------------------------------------------------------------------------------
+
+def _tiny_model(arch: str, **overrides):
+    import transformers
+    from w8a8_cpu.nn import quantize_model
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(arch, **{**TINY_COMMON, **TINY[arch], **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return quantize_model(model, skip=["lm_head", "*.gate", "*shared_expert_gate"])
+
+
+def _logits_and_greedy(model, ids):
+    with torch.inference_mode():
+        logits = model(ids).logits
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                                min_new_tokens=8, pad_token_id=0)
+    return logits, tokens[:, ids.shape[1]:]
+
+
+def _whole_model(model, ids, **shard_options):
+    from w8a8_cpu import distributed
+
+    want = _logits_and_greedy(model, ids) if distributed.dist.get_rank() == 0 else (None, None)
+    report = distributed.shard_model(model, **shard_options)
+    got = _logits_and_greedy(model, ids)
+    return {"want_logits": want[0], "got_logits": got[0], "want_tokens": want[1], "got_tokens": got[1],
+            "attention": report.attention, "notes": report.notes}
+
+
+def case_layers(rank: int, world_size: int) -> dict:
+    """One W8A8Linear split by rows and by columns, one W8A8Experts split by experts, exact and the usual way."""
+    from w8a8_cpu import distributed
+    from w8a8_cpu.nn import W8A8Experts, W8A8Linear, W8A8MoE
+
+    torch.manual_seed(0)  # the same layer on every rank
+    gen = torch.Generator().manual_seed(7)
+    n, k = 48, 192
+    layer = W8A8Linear.from_linear(torch.nn.Linear(k, n))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (1, 5, 33):
+            x = (torch.randn(m, k, generator=gen) * torch.linspace(0.1, 30, k)).to(dtype)  # outlier channels
+            cols = slice(rank * k // world_size, (rank + 1) * k // world_size)
+            rows = slice(rank * n // world_size, (rank + 1) * n // world_size)
+            key = f"{dtype}-{m}"
+            out[f"row-{key}"] = (layer(x), distributed.RowParallelW8A8Linear(layer, cols, "row")(x[:, cols]))
+            out[f"row-fp32-reduce-{key}"] = (layer(x), distributed.RowParallelW8A8Linear(
+                layer, cols, "row", exact=False)(x[:, cols]))
+            out[f"column-{key}"] = (layer(x)[:, rows], distributed.column_parallel(layer, rows)(x))
+    experts, hidden, inter = 6, 64, 32
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen)
+    moe = W8A8Experts(*W8A8MoE._quantize_experts(w13), *W8A8MoE._quantize_experts(w2))
+    share = slice(rank * experts // world_size, (rank + 1) * experts // world_size)
+    for top_k in (2, 4):
+        x = torch.randn(17, hidden, generator=gen)
+        weights, ids = torch.topk(torch.softmax(torch.randn(17, experts, generator=gen), -1), top_k)
+        want = moe(x, ids, weights)
+        for exact in (True, False):
+            sharded = distributed.ExpertParallelW8A8Experts(moe, share, "experts", exact=exact)
+            out[f"experts-top{top_k}-{'exact' if exact else 'fp32-reduce'}"] = (want, sharded(x, ids, weights))
+    return out
+
+
+def case_models(rank: int, world_size: int) -> dict:
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    return {arch: _whole_model(_tiny_model(arch), ids, attention="shard") for arch in TINY}
+
+
+def case_smollm2(rank: int, world_size: int) -> dict:
+    from w8a8_cpu.llm import smollm2
+    from w8a8_cpu.nn import quantize_model
+
+    model, tokenizer = smollm2.load()
+    quantize_model(model, skip=["lm_head"])
+    ids = torch.tensor([tokenizer("The GNU General Public License is a free, copyleft license for")["input_ids"]])
+    return {"smollm2": _whole_model(model, ids)}
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def case_bad_configs(rank: int, world_size: int) -> dict:
+    from w8a8_cpu import distributed
+
+    different = _tiny_model("llama")
+    if rank == 1:  # this rank loaded other weights
+        different.model.layers[1].mlp.up_proj.w_scale.mul_(1.0001)
+    return {
+        "heads": _error_of(lambda: distributed.shard_model(
+            _tiny_model("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), attention="shard")),
+        "intermediate": _error_of(lambda: distributed.shard_model(_tiny_model("llama", intermediate_size=99))),
+        "experts": _error_of(lambda: distributed.shard_model(_tiny_model("mixtral", num_local_experts=5))),
+        "weights": _error_of(lambda: distributed.shard_model(different)),
+    }
+
+
+def case_dead_rank(rank: int, world_size: int) -> dict:
+    return _lost_rank(rank, lambda: os._exit(3))  # dies mid-run, without a goodbye
+
+
+def case_stalled_rank(rank: int, world_size: int) -> dict:
+    return _lost_rank(rank, lambda: (time.sleep(3 * DEAD_RANK_TIMEOUT_S), os._exit(3)))  # hangs, then dies
+
+
+def _lost_rank(rank: int, lose) -> dict:
+    """Rank 1 stops taking part after one forward; rank 0 reports how its next forward ends and when."""
+    from w8a8_cpu import distributed
+    from w8a8_cpu.nn import W8A8Linear
+
+    layer = W8A8Linear.from_linear(torch.nn.Linear(64, 16))
+    row = distributed.RowParallelW8A8Linear(layer, slice(rank * 32, rank * 32 + 32), "row")
+    x = torch.randn(3, 32)
+    row(x)  # every rank is up and talking
+    if rank == 1:
+        lose()
+    t0 = time.perf_counter()
+    try:
+        row(x)
+        message = "no error"
+    except distributed.RankFailure as e:
+        message = str(e)
+    return {"message": message, "seconds": time.perf_counter() - t0}
+
+
+def _rank_main(case: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from w8a8_cpu import distributed
+
+    distributed.init(timeout_s=DEAD_RANK_TIMEOUT_S if case.endswith("_rank") else LAUNCH_TIMEOUT_S)
+    rank, world_size = distributed.dist.get_rank(), distributed.dist.get_world_size()
+    result = globals()[f"case_{case}"](rank, world_size)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    distributed.dist.destroy_process_group()
+
+
+# ---- the launcher (in the test process) ------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(case: str, world_size: int, tmp: Path, timeout_s: float = LAUNCH_TIMEOUT_S):
+    """Run `case` on world_size ranks; (per-rank result dicts or None, per-rank exit codes, per-rank output).
+    Every rank is killed (its whole process group) if the launch outlives timeout_s or the test fails."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([*python_command(), __file__, case, str(tmp)], env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+             for rank in range(world_size)]
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case} on {world_size} ranks did not finish within {timeout_s} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    results = [torch.load(tmp / f"rank{r}.pt") if (tmp / f"rank{r}.pt").exists() else None
+               for r in range(world_size)]
+    return results, [p.returncode for p in procs], outputs
+
+
+def launch_ok(case: str, world_size: int, tmp: Path):
+    results, codes, outputs = launch(case, world_size, tmp)
+    assert codes == [0] * world_size, "\n".join(o[-3000:] for o in outputs)
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def world_size(request):
+    return request.param
+
+
+def test_sharded_layers_are_bit_identical(world_size, tmp_path):
+    results = launch_ok("layers", world_size, tmp_path)
+    for name, (want, got) in results[0].items():
+        if "fp32-reduce" not in name:
+            assert torch.equal(got, want), name
+    # the usual scheme (per-rank scales, fp32 all-reduce) is not: the test can see a difference
+    assert not torch.equal(*results[0]["row-fp32-reduce-torch.float32-33"])
+    assert not torch.equal(*results[0]["experts-top4-fp32-reduce"])
+    for other in results[1:]:  # every rank holds the same full output of a row-parallel layer
+        assert all(torch.equal(other[name][1], results[0][name][1]) for name in other if name.startswith("row"))
+
+
+def _assert_model_identical(results, name):
+    first = results[0][name]
+    assert torch.equal(first["got_logits"], first["want_logits"]), \
+        (first["got_logits"] - first["want_logits"]).abs().max().item()
+    assert torch.equal(first["got_tokens"], first["want_tokens"])
+    for other in results[1:]:
+        assert torch.equal(other[name]["got_logits"], first["got_logits"])
+        assert torch.equal(other[name]["got_tokens"], first["got_tokens"])
+
+
+def test_tiny_llama_and_moe_models_are_bit_identical(world_size, tmp_path):
+    results = launch_ok("models", world_size, tmp_path)
+    for arch in TINY:
+        assert results[0][arch]["attention"] == "sharded"
+        _assert_model_identical(results, arch)
+
+
+def test_smollm2_is_bit_identical(world_size, tmp_path):
+    from w8a8_cpu.llm import smollm2
+
+    require_optional(smollm2.available(), smollm2.INSTALL_HINT)
+    results = launch_ok("smollm2", world_size, tmp_path)
+    # 9 heads / 3 KV heads: 3 ranks split attention, 2 ranks replicate it (and say so) and split the MLPs
+    assert results[0]["smollm2"]["attention"] == ("sharded" if world_size == 3 else "replicated")
+    assert bool(results[0]["smollm2"]["notes"]) == (world_size == 2)
+    _assert_model_identical(results, "smollm2")
+
+
+def test_bad_configurations_raise_clear_errors(tmp_path):
+    results = launch_ok("bad_configs", 2, tmp_path)
+    for errors in results:
+        assert "world size 2 does not divide the 9 attention heads and 3 KV heads" in errors["heads"]
+        assert "does not divide the intermediate size of model.layers.0.mlp (99)" in errors["intermediate"]
+        assert "does not divide the number of experts of model.layers.0.mlp.experts (5)" in errors["experts"]
+        assert "rank 1's weights differ from rank 0's at model.layers.1.mlp.up_proj.w_scale" in errors["weights"]
+
+
+@pytest.mark.parametrize("case", ["dead_rank", "stalled_rank"])
+def test_a_lost_rank_makes_the_others_fail_within_the_timeout(case, tmp_path):
+    results, codes, outputs = launch(case, 2, tmp_path, timeout_s=LAUNCH_TIMEOUT_S)
+    assert codes[1] == 3, outputs[1][-2000:]
+    assert codes[0] == 0, outputs[0][-2000:]
+    message, seconds = results[0]["message"], results[0]["seconds"]
+    assert "row: row absmax failed on rank 0 of 2: another rank most likely died or stalled" in message
+    assert f"collectives wait at most {DEAD_RANK_TIMEOUT_S} s" in message
+    assert seconds < DEAD_RANK_TIMEOUT_S + 5  # a dead peer is seen at once, a silent one at the timeout
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], sys.argv[2])

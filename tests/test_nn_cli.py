@@ -23,6 +23,18 @@ def test_quantize_weight_per_channel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_weight_is_the_activation_quantizer(dtype):
+    """One rounding rule for weights and activations: 127 / amax as one fp32 division (torch's 127.0 / amax is
+    reciprocal(amax) * 127, which rounds twice and moves a few values by one), then round half to even."""
+    w = (torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    w_q, w_scale = w8a8_cpu.quantize_weight(w)
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(w)
+    ref_q, ref_scale = reference.per_token_quant_int8(w)
+    assert torch.equal(w_q, x_q) and torch.equal(w_q, ref_q)
+    assert torch.equal(w_scale, x_scale.reshape(-1)) and torch.equal(w_scale, ref_scale.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w8a8_linear_matches_float_linear(dtype):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 96)

@@ -174,14 +174,14 @@ def fused_experts(
 def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric quantization of a float [N, K] weight -> (w_q int8 [N, K], w_scale fp32 [N]).
 
-    Same rounding convention as the activations: q = clamp(round_half_even(w * (127 / amax)), -127, 127)."""
+    The activations' quantizer (per_token_quant_int8) applied to the weight's rows in fp32, so weights and
+    activations share one rounding rule: q = clamp(round_half_even(w * (127 / amax)), -127, 127)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         raise ValueError(f"w: expected a floating-point tensor, got {getattr(w, 'dtype', type(w))}")
     if w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D [N, K] weight, got shape {tuple(w.shape)}")
-    w32 = w.detach().to(torch.float32)
-    if not torch.isfinite(w32).all():
+    w32 = w.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(w32).all():  # the op would give the row a NaN scale; a weight must not have one
         raise ValueError("w: weight contains NaN or Inf")
-    amax = w32.abs().amax(dim=1).clamp_min(1e-10)
-    w_q = torch.round(w32 * (127.0 / amax)[:, None]).clamp_(-127, 127).to(torch.int8)
-    return w_q, (amax / 127.0).contiguous()
+    w_q, w_scale = ops.per_token_quant_int8(w32, None)
+    return w_q, w_scale.reshape(-1)

@@ -3,8 +3,8 @@ of our own W8A8 linear op. Not a test: it reports times and ratios measured in o
 
     python benchmarks/moe.py [--quick] [--reps N] [--json FILE] [--threads N]
 
-A thin entry over the package's benchmark suite (w8a8_cpu.bench, which also runs these cases as part of
-`python -m w8a8_cpu bench`; `python -m w8a8_cpu bench --no-linear` is the same MoE run with targets).
+A thin entry over the package's benchmark suite (w8a8_cpu.cli.bench, which also runs these cases as part of
+`python -m w8a8_cpu bench`; `python benchmarks/linear.py --no-linear` is the same MoE run with targets).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sys
 import torch
 
 import w8a8_cpu
-from w8a8_cpu import bench
+from w8a8_cpu.cli import bench
 
 H, I = bench.MOE_H, bench.MOE_I
 CASES = bench.MOE_CASES

@@ -1,14 +1,18 @@
 """python -m w8a8_cpu bench --quick: the benchmark suite runs end to end and writes well-formed JSON (and a plot when
-matplotlib is importable; under CI=true it must be). Structure and positivity only: timings are never asserted (shared, noisy machines)."""
+matplotlib is importable; under CI=true it must be); benchmarks/targets.py and benchmarks/linear.py turn a run into
+the project's targets. Structure and positivity only: timings are never asserted (shared, noisy machines)."""
 import importlib.util
 import json
 import math
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from conftest import python_command
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 pytestmark = pytest.mark.slow_under_emulation
 
@@ -27,7 +31,7 @@ def test_bench_quick_json_and_plot(tmp_path):
         argv += ["--plot", str(tmp_path / "out.png")]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "targets (from this run; not asserted):" in proc.stdout
+    assert "targets" not in proc.stdout  # the packaged bench prints results only: targets are benchmarks/'
     result = json.loads(out.read_text())
 
     assert result["quick"] is True and result["threads"] >= 1 and result["reps"] >= 1
@@ -47,14 +51,39 @@ def test_bench_quick_json_and_plot(tmp_path):
     assert result["moe"]
     for case in result["moe"]:
         assert all(_positive(v) for v in case["ms"].values()) and all(_positive(v) for v in case["speedup"].values())
+    assert "targets" not in result
+    targets = subprocess.run([*python_command(), str(BENCHMARKS / "targets.py"), str(out)], capture_output=True,
+                             text=True, timeout=300)
+    assert targets.returncode == 0, targets.stdout + targets.stderr
+    _check_targets_block(targets.stdout, measured=True)
+    if have_mpl:
+        png = (tmp_path / "out.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def _check_targets_block(stdout, measured):
+    """benchmarks/targets.py's block: a header, then one PASS / FAIL / n/a line per target (some measured)."""
+    after = stdout[stdout.index("targets (from this run; not asserted):"):].splitlines()[1:]
+    lines = after[:next((i for i, line in enumerate(after) if not line.startswith("  ")), len(after))]
+    assert lines and all(line.split()[0] in ("PASS", "FAIL", "n/a") for line in lines), stdout
+    assert any(line.split()[0] != "n/a" for line in lines) == measured, stdout
+
+
+def test_linear_script_adds_the_targets_to_each_run(tmp_path):
+    """benchmarks/linear.py: the packaged suite, then each run's targets, printed and in its JSON (here the cheapest
+    run: the read reference and the per-call overhead only)."""
+    out = tmp_path / "run.json"
+    argv = [*python_command(), str(BENCHMARKS / "linear.py"), "--no-linear", "--no-moe", "--reps", "1", "--warmup", "0",
+            "--quick", "--no-progress", "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_targets_block(proc.stdout, measured=True)  # the per-call overhead target
+    result = json.loads(out.read_text())
     assert result["targets"]
     for target in result["targets"]:
         assert {"name", "value", "goal", "pass"} <= set(target)
         assert target["value"] is None or _positive(target["value"])
         assert target["pass"] in (True, False, None)
-    if have_mpl:
-        png = (tmp_path / "out.png").read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
 def test_bench_threads_sweep_busy_and_error_column(tmp_path):

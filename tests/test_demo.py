@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from conftest import python_command, require_optional
-from w8a8_cpu import __main__ as cli
-from w8a8_cpu import demo
+from w8a8_cpu import cli
+from w8a8_cpu.cli import demo
 
 
 

@@ -28,7 +28,7 @@ def _require_model():
 @pytest.fixture(scope="module")
 def smollm():
     _require_model()
-    from w8a8_cpu.llm import job
+    from w8a8_cpu.cli import llm as job
 
     model, tokenizer = smollm2.load()
     eval_ids = job._tokens(tokenizer, job.EVAL_TEXT, 2048, "evaluation")
@@ -38,7 +38,8 @@ def smollm():
 
 @pytest.fixture(scope="module")
 def smoothed(smollm):
-    from w8a8_cpu.llm import job, smooth_quant
+    from w8a8_cpu.cli import llm as job
+    from w8a8_cpu.llm import smooth_quant
 
     model, _, _, calib_ids = smollm
     smoothed = copy.deepcopy(model)
@@ -67,7 +68,8 @@ def test_smoothing_keeps_the_float_function(smollm, smoothed):
 
 
 def test_smoothquant_w8a8_is_closer_to_fp32_than_rtn(smollm, smoothed):
-    from w8a8_cpu.llm import evaluate, job
+    from w8a8_cpu.cli import llm as job
+    from w8a8_cpu.llm import evaluate
 
     model, _, eval_ids, _ = smollm
     models = {"fp32": model,
@@ -94,7 +96,8 @@ print(type(model.model.layers[0].mlp.down_proj).__name__, type(model.lm_head).__
 
 
 def test_checkpoint_round_trip_in_a_fresh_process(smollm, smoothed, tmp_path):
-    from w8a8_cpu.llm import job, save_compressed
+    from w8a8_cpu.cli import llm as job
+    from w8a8_cpu.llm import save_compressed
 
     _, _, eval_ids, _ = smollm
     quantized = w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT)
@@ -133,8 +136,8 @@ def test_main_job_reports_and_gates():
 
 
 def test_main_job_exits_nonzero_below_the_gate(monkeypatch, capsys):
-    from w8a8_cpu import __main__ as cli
-    from w8a8_cpu.llm import job
+    from w8a8_cpu import cli
+    from w8a8_cpu.cli import llm as job
 
     fake_model = {"ppl": 20.0, "scored_tokens": 10, "kl": 0.1, "top1_agreement": 0.9, "greedy_equal_prefix": 3,
                   "greedy_text": "x", "weight_bytes": 1, "decode_tokens_per_s": 1.0}

@@ -8,7 +8,7 @@ import torch
 
 import w8a8_cpu
 from conftest import python_command
-from w8a8_cpu import reference
+from w8a8_cpu import _build_info, reference
 
 # A variant name of another architecture: never compiled into this build.
 FOREIGN_VARIANT = "avx2" if "neon" in w8a8_cpu.info()["compiled_variants"] else "neon"
@@ -20,6 +20,18 @@ def test_quantize_weight_per_channel():
     assert w_q.dtype == torch.int8 and w_scale.dtype == torch.float32 and w_scale.shape == (3,)
     assert w_q.tolist() == [[32, -64, 127], [0, 0, 0], [-127, 64, 4]]
     torch.testing.assert_close(w_scale, torch.tensor([2 / 127, 1e-10 / 127, 3 / 127]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_weight_is_the_activation_quantizer(dtype):
+    """One rounding rule for weights and activations: 127 / amax as one fp32 division (torch's 127.0 / amax is
+    reciprocal(amax) * 127, which rounds twice and moves a few values by one), then round half to even."""
+    w = (torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    w_q, w_scale = w8a8_cpu.quantize_weight(w)
+    x_q, x_scale = w8a8_cpu.per_token_quant_int8(w)
+    ref_q, ref_scale = reference.per_token_quant_int8(w)
+    assert torch.equal(w_q, x_q) and torch.equal(w_q, ref_q)
+    assert torch.equal(w_scale, x_scale.reshape(-1)) and torch.equal(w_scale, ref_scale.reshape(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -68,8 +80,8 @@ def test_info_reports_dispatch():
     assert set(info["runnable_variants"]) <= set(info["compiled_variants"])
     assert info["selected_variant"] == info["runnable_variants"][-1]  # best runnable, no override
     assert info["threads"] == torch.get_num_threads() and info["torch_version"] == torch.__version__
+    assert info["compiled_variants"] == _build_info.VARIANTS  # what CMake recorded as built into this library
     if info["arch"] == "x86_64":
-        assert info["compiled_variants"] == ["ref", "avx2", "avx512_vnni"]
         assert ("avx2" in info["runnable_variants"]) == ("avx2" in info["features"])
 
 

@@ -4,6 +4,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
+from w8a8_cpu._packed_weight import packed_weight_nbytes
 
 from conftest import EMULATED
 
@@ -172,6 +173,19 @@ def test_packed_blob_format(gen):
     sums = packed[64 + n_pad * k_pad:].view(torch.int32)
     assert sums[:37].tolist() == w_q.sum(dim=1, dtype=torch.int32).tolist()
     assert not sums[37:].any()
+
+
+PACKED_SHAPES = [(n, k) for n in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 48, 100)
+                 for k in (1, 2, 3, 4, 5, 8, 31, 32, 33, 63, 64, 65, 127, 257)] + [(4096, 1), (1, 4096), (1000, 1000)]
+
+
+def test_packed_weight_nbytes_matches_pack_weight(variant):
+    """The one Python source of the packed size (w8a8_cpu._packed_weight, mirroring packed_weight_sizes in
+    csrc/common/gemm_driver.cpp; the fake pack_weight uses it) against the real blob, in every variant's layout."""
+    for n, k in PACKED_SHAPES:
+        real = w8a8_cpu.pack_weight(torch.ones(n, k, dtype=torch.int8)).numel()
+        fake = torch.ops.w8a8_cpu.pack_weight(torch.empty(n, k, dtype=torch.int8, device="meta")).numel()
+        assert packed_weight_nbytes(n, k) == real == fake, (variant, n, k)
 
 
 def test_empty_m_returns_empty(variant, gen):

@@ -14,9 +14,8 @@ from typing import Tuple
 
 import torch
 
-from . import unpack_weight
-
-_ops = torch.ops.w8a8_cpu
+from ._functions import unpack_weight
+from ._loader import ops as _ops
 
 
 def _dequantize(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -7,21 +7,12 @@ strides, devices. Checks that read data (NaN/Inf activations in strict mode, top
 magic, N and K) are the real op's alone."""
 from __future__ import annotations
 
-import json
-
 import torch
 
-_HEADER_BYTES = 64  # PackedWeightHeader in csrc/common/gemm_driver.h
+from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
+
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _packed_weight_nbytes(n, k):
-    info = json.loads(torch.ops.w8a8_cpu._info())
-    nr, kr = info["panel_width"], info["panel_depth"]  # PanelLayout of the active variant
-    n_padded = (n + nr - 1) // nr * nr
-    k_padded = (k + kr - 1) // kr * kr
-    return _HEADER_BYTES + n_padded * k_padded + 4 * n_padded
 
 
 def _check_same_device(first, **tensors):
@@ -71,7 +62,7 @@ def _check_scales(s, rows, arg, what):  # checked_scales
 
 
 def _check_blob_length(nbytes, arg):  # the part of view_packed_weight that needs no data
-    if nbytes < _HEADER_BYTES:
+    if nbytes < HEADER_BYTES:
         raise ValueError(f"{arg}: a 1-D uint8 tensor of {nbytes} bytes is too short to be a packed weight (expected "
                          f"the output of pack_weight)")
 
@@ -270,4 +261,4 @@ def register() -> None:
         _check_rows(w, "w")
         _check_n_positive(w)
         _check_k(w.shape[1], "w")
-        return w.new_empty((_packed_weight_nbytes(w.shape[0], w.shape[1]),), dtype=torch.uint8)
+        return w.new_empty((packed_weight_nbytes(w.shape[0], w.shape[1]),), dtype=torch.uint8)

@@ -81,8 +81,9 @@ def _standalone_world() -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     from transformers import AutoTokenizer
 
-    from w8a8_cpu.__main__ import _report
-    from w8a8_cpu.llm import job, smollm2
+    from w8a8_cpu.cli import _report
+    from w8a8_cpu.cli import llm as job
+    from w8a8_cpu.llm import smollm2
 
     parser = _parser()
     args = parser.parse_args(argv)

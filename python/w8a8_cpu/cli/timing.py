@@ -1,0 +1,79 @@
+"""Timing and progress for every tool (check, demo, bench, llm): candidates timed in interleaved rounds, and one
+progress bar on stderr."""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+def interleaved(candidates: Dict[str, Callable[[], object]], rounds: int, warmup: int = 1, inner: int = 1,
+                samples: int = 1, on_round: Optional[Callable[[int], None]] = None) -> Dict[str, List[float]]:
+    """Seconds per call of each candidate, one value per round: `warmup` untimed rounds, then `rounds` rounds, each
+    timing every candidate once before the next round starts, so drift and noise from other jobs hit all of them
+    alike. A candidate's value in a round is the median of `samples` timings of `inner` back-to-back calls each
+    (divided by `inner`: for calls too short for one clock read). on_round(r) runs after round r (from 1)."""
+    values: Dict[str, List[float]] = {name: [] for name in candidates}
+    with torch.inference_mode():
+        for _ in range(warmup):
+            for fn in candidates.values():
+                fn()
+        for r in range(rounds):
+            for name, fn in candidates.items():
+                timings = []
+                for _ in range(samples):
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        fn()
+                    timings.append((time.perf_counter() - t0) / inner)
+                values[name].append(statistics.median(timings))
+            if on_round:
+                on_round(r + 1)
+    return values
+
+
+def medians(values: Dict[str, List[float]], unit: float = 1.0) -> Dict[str, float]:
+    """Each candidate's median over the rounds of interleaved(), in seconds / unit (unit 1e-3: milliseconds)."""
+    return {name: statistics.median(v) / unit for name, v in values.items()}
+
+
+class Progress:
+    """A one-line progress bar on stderr, named `name`. When stderr is not a terminal (a log), one line for the first
+    and the last step and at most one per LOG_INTERVAL_S seconds between them."""
+
+    LOG_INTERVAL_S = 10.0
+
+    def __init__(self, total: int, enabled: bool = True, name: str = "bench"):
+        self.total, self.done, self.enabled, self.name = max(total, 1), 0, enabled, name
+        self.tty = sys.stderr.isatty()
+        self.t0 = self.logged = time.perf_counter()
+
+    def note(self, text: str) -> None:
+        """A message on its own line (e.g. a slow first-use step)."""
+        if self.enabled:
+            sys.stderr.write(("\r" + " " * 100 + "\r" if self.tty else "") + f"  {self.name}: {text}\n")
+            sys.stderr.flush()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not self.tty and self.done not in (1, self.total) and now - self.logged < self.LOG_INTERVAL_S:
+            return
+        self.logged = now
+        width = 28
+        filled = width * self.done // self.total
+        elapsed = now - self.t0
+        line = f"  {self.name} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {label}"
+        end = "\n" if self.done >= self.total or not self.tty else ""
+        sys.stderr.write(("\r" if self.tty else "") + f"{line:<100}"[:100] + end)
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled and self.tty and self.done < self.total:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+            sys.stderr.flush()

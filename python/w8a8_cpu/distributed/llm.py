@@ -20,7 +20,7 @@ from . import STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8
 
 
 def _parser():
-    from w8a8_cpu.__main__ import _parsers
+    from w8a8_cpu.cli import _parsers
 
     parser = _parsers()[1]["llm"]
     parser.prog = "torchrun --nproc-per-node N -m w8a8_cpu.distributed.llm"

@@ -51,6 +51,8 @@ def _parsers():
     llm.add_argument("--new-tokens", type=int, default=64, help="greedy generation length (default 64)")
     llm.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     llm.add_argument("--no-bench", action="store_true", help="skip the prefill timing")
+    llm.add_argument("--compile-decode", action="store_true",
+                     help="also time W8A8 decode under torch.compile with a static KV cache (compiles for minutes)")
     llm.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     llm.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     demo = sub.add_parser("demo", help="W8A8 all-MiniLM-L6-v2 sentence embeddings vs fp32 (accuracy, size, speed)",
@@ -128,7 +130,8 @@ def _run_llm(args, parser) -> int:
 
     result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
                      calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens,
-                     bench=not args.no_bench, show_progress=not args.no_progress)
+                     bench=not args.no_bench, show_progress=not args.no_progress,
+                     compile_decode=args.compile_decode)
     return _report(result, job.print_report, args.json,
                    lambda r: f"llm FAILED: W8A8 (SmoothQuant) perplexity {r['ppl_increase_percent']:+.2f}% above "
                              f"fp32 (gate +{job.PPL_GATE_PERCENT}%)")

@@ -62,11 +62,12 @@ def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, round
 
 def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibration_tokens: int = 1024,
         new_tokens: int = 64, prefill_tokens: int = 512, bench: bool = True, show_progress: bool = True,
-        prepare_w8a8: Optional[Callable[[str, torch.nn.Module], None]] = None) -> dict:
+        prepare_w8a8: Optional[Callable[[str, torch.nn.Module], None]] = None, compile_decode: bool = False) -> dict:
     """The main job; returns its results (print_report prints them). prepare_w8a8(name, model) is called on each
-    W8A8 model once it is quantized (w8a8_cpu.distributed.llm shards them there)."""
+    W8A8 model once it is quantized (w8a8_cpu.distributed.llm shards them there). compile_decode: also time the
+    W8A8 (SmoothQuant) model's decode under torch.compile (evaluate.compiled_greedy; compiling takes minutes)."""
     n_windows = len(evaluate.windows(eval_tokens, window, stride))
-    progress = Progress(7 + n_windows + bench, enabled=show_progress, name="llm")
+    progress = Progress(7 + n_windows + bench + compile_decode, enabled=show_progress, name="llm")
     progress.step("loading SmolLM2-135M-Instruct (offline)")
     fp32, tokenizer = smollm2.load(progress)
     eval_ids = _tokens(tokenizer, EVAL_TEXT, eval_tokens, "evaluation")
@@ -121,6 +122,13 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
             "weight_bytes": evaluate.weight_bytes(model),
             "decode_tokens_per_s": generated[name]["tokens_per_s"],
         }
+    if compile_decode:
+        progress.step("torch.compile of the W8A8 (SmoothQuant) model for decode (minutes)")
+        compiled = evaluate.compiled_greedy(models[SQ], prompt_ids, new_tokens)
+        result["compiled_decode"] = {
+            "tokens_per_s": compiled["tokens_per_s"], "compile_s": compiled["compile_s"],
+            "greedy_equal_prefix": evaluate.agreeing_prefix(compiled["tokens"], reference_tokens),
+            "equal_to_eager_w8a8": compiled["tokens"] == generated[SQ]["tokens"]}
     if bench:
         progress.step(f"prefill timing, {prefill_tokens} tokens")
         prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
@@ -162,6 +170,11 @@ def print_report(result: dict) -> None:
     print(f"  (KL: mean KL(fp32 || model) per scored token; top-1: next-token argmax equal to fp32's; greedy: "
           f"generated tokens equal to fp32's before the first difference; prefill: {result['prefill_tokens']} "
           f"tokens, median of 3; decode: greedy generation with KV cache, batch 1, prompt included)")
+    if "compiled_decode" in result:
+        c = result["compiled_decode"]
+        same = "the same tokens as" if c["equal_to_eager_w8a8"] else "other tokens than"
+        print(f"  {SQ + ' compiled':<22} decode {c['tokens_per_s']:.1f} tok/s with torch.compile and a static KV cache "
+              f"(compiled in {c['compile_s']:.0f} s; greedy {c['greedy_equal_prefix']}/{n} vs fp32, {same} eager)")
     print(f"  chat prompt  {result['chat_prompt']!r}")
     for name in (FP32, SQ):
         print(f"  {name + ' says':<22} {models[name]['greedy_text'].strip()[:200]!r}")

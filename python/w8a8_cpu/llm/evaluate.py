@@ -6,6 +6,7 @@ A whole W8A8 model is chaotic (a 1e-7 relative change of its input moves logits 
 judged statistically over thousands of tokens, never by one output being equal."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -76,6 +77,22 @@ def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int) ->
                              do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         elapsed = time.perf_counter() - t0
     return {"tokens": out[0, prompt_ids.numel():].tolist(), "tokens_per_s": new_tokens / elapsed}
+
+
+def compiled_greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int, warmups: int = 2) -> dict:
+    """greedy() on a copy of the model whose forward is torch.compile'd (inductor; our ops through their fake
+    kernels) with a static KV cache, so decode steps run compiled code instead of Python module calls, which dominate
+    a small model's decode. The first `warmups` generations compile (their total time is `compile_s`); the next is
+    timed. Inductor fuses the float ops (norms, rotary, softmax) differently from eager, so the W8A8 tokens may
+    differ from the eager model's (per-token quantization amplifies last-bit differences)."""
+    compiled = copy.deepcopy(model)
+    compiled.generation_config.cache_implementation = "static"
+    compiled.forward = torch.compile(compiled.forward, dynamic=False)
+    t0 = time.perf_counter()
+    for _ in range(warmups):
+        greedy(compiled, prompt_ids, new_tokens)
+    compile_s = time.perf_counter() - t0
+    return {**greedy(compiled, prompt_ids, new_tokens), "compile_s": compile_s}
 
 
 def agreeing_prefix(tokens: Sequence[int], reference: Sequence[int]) -> int:

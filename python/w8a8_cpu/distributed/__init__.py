@@ -2,6 +2,7 @@
 
     group = w8a8_cpu.distributed.init(timeout_s=60)      # env:// (torchrun), gloo, a process-group timeout
     report = w8a8_cpu.distributed.shard_model(model)     # a model quantized by quantize_model / load_quantized
+    model, report = w8a8_cpu.distributed.load_sharded(directory)  # a W8A8 checkpoint, each rank reading its part
 
 Megatron-style split of each decoder layer: q/k/v and gate/up column-parallel (each rank keeps its rows: its heads,
 its slice of the intermediate size), o_proj and down_proj row-parallel (each rank keeps the matching K columns),
@@ -380,5 +381,5 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
 
 
 __all__ = ["init", "shard_model", "load_sharded", "plan_shards", "ShardPlan", "LinearShard", "ExpertShard",
-           "check_same_weights", "weight_checksums", "column_parallel", "row_parallel", "RowParallelW8A8Linear", "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce",
-           "ShardReport"]
+           "check_same_weights", "weight_checksums", "column_parallel", "row_parallel", "RowParallelW8A8Linear",
+           "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce", "ShardReport"]

@@ -542,8 +542,8 @@ class _Loader:
         strategy = self._strategy(layer, classes)
         if strategy is None:
             if shard is not None:
-                raise ValueError(f"{self.tensors._where(weight)}: stored float, but a sharded load splits this layer, which "
-                                 f"must be W8A8")
+                raise ValueError(f"{self.tensors._where(weight)}: stored float, but a sharded load splits this "
+                                 f"layer, which must be W8A8")
             return self.tensors.floating(weight, shape, dtype), None
         if shard is None:
             return self.tensors.int8(weight, shape), self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy)

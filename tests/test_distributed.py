@@ -4,7 +4,9 @@ the others fail within the process-group timeout.
 
 Each launch starts its ranks as `python tests/test_distributed.py CASE ...` in new process groups, bounded in time;
 every rank runs 1 thread and rank 0 computes the one-process reference in the same process before sharding."""
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ LAUNCH_TIMEOUT_S = 150
 DEAD_RANK_TIMEOUT_S = 10  # process-group timeout of the dead-rank case
 TINY_COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention_heads=12,
                    num_key_value_heads=6, max_position_embeddings=128)
+CHECKPOINT_CASES = {"llama": "shard", "qwen2_moe": "replicate"}  # model -> attention option of load_sharded
+CHECKPOINT_SHARD_BYTES = 64 * 1024  # several safetensors files per tiny model
 TINY = {  # heads, KV heads, intermediate sizes and experts divisible by 2 and 3
     "llama": dict(intermediate_size=192),
     "qwen2_moe": dict(intermediate_size=192, moe_intermediate_size=48, shared_expert_intermediate_size=96,
@@ -62,7 +66,7 @@ def _whole_model(model, ids, **shard_options):
             "attention": report.attention, "notes": report.notes}
 
 
-def case_layers(rank: int, world_size: int) -> dict:
+def case_layers(rank: int, world_size: int, out: Path) -> dict:
     """One W8A8Linear split by rows and by columns, one W8A8Experts split by experts, exact and the usual way."""
     from w8a8_cpu import distributed
     from w8a8_cpu.nn import W8A8Experts, W8A8Linear, W8A8MoE
@@ -78,8 +82,8 @@ def case_layers(rank: int, world_size: int) -> dict:
             cols = slice(rank * k // world_size, (rank + 1) * k // world_size)
             rows = slice(rank * n // world_size, (rank + 1) * n // world_size)
             key = f"{dtype}-{m}"
-            out[f"row-{key}"] = (layer(x), distributed.RowParallelW8A8Linear(layer, cols, "row")(x[:, cols]))
-            out[f"row-fp32-reduce-{key}"] = (layer(x), distributed.RowParallelW8A8Linear(
+            out[f"row-{key}"] = (layer(x), distributed.row_parallel(layer, cols, "row")(x[:, cols]))
+            out[f"row-fp32-reduce-{key}"] = (layer(x), distributed.row_parallel(
                 layer, cols, "row", exact=False)(x[:, cols]))
             out[f"column-{key}"] = (layer(x)[:, rows], distributed.column_parallel(layer, rows)(x))
     experts, hidden, inter = 6, 64, 32
@@ -92,17 +96,17 @@ def case_layers(rank: int, world_size: int) -> dict:
         weights, ids = torch.topk(torch.softmax(torch.randn(17, experts, generator=gen), -1), top_k)
         want = moe(x, ids, weights)
         for exact in (True, False):
-            sharded = distributed.ExpertParallelW8A8Experts(moe, share, "experts", exact=exact)
+            sharded = distributed.ExpertShard(share, experts, "experts", exact).of(moe)
             out[f"experts-top{top_k}-{'exact' if exact else 'fp32-reduce'}"] = (want, sharded(x, ids, weights))
     return out
 
 
-def case_models(rank: int, world_size: int) -> dict:
+def case_models(rank: int, world_size: int, out: Path) -> dict:
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
     return {arch: _whole_model(_tiny_model(arch), ids, attention="shard") for arch in TINY}
 
 
-def case_smollm2(rank: int, world_size: int) -> dict:
+def case_smollm2(rank: int, world_size: int, out: Path) -> dict:
     from w8a8_cpu.llm import smollm2
     from w8a8_cpu.nn import quantize_model
 
@@ -110,6 +114,83 @@ def case_smollm2(rank: int, world_size: int) -> dict:
     quantize_model(model, skip=["lm_head"])
     ids = torch.tensor([tokenizer("The GNU General Public License is a free, copyleft license for")["input_ids"]])
     return {"smollm2": _whole_model(model, ids)}
+
+
+class _ReadSpy:
+    """Stands in for safetensors.safe_open in w8a8_cpu.llm.checkpoint and counts, by tensor name, the elements
+    that each read returns (get_tensor: the whole tensor, get_slice(name)[index]: that part; headers are free)."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint, self.real_open, self.elements = checkpoint, checkpoint.safe_open, {}
+
+    def __enter__(self):
+        self.checkpoint.safe_open = lambda *args: _SpiedFile(self.real_open(*args), self.elements)
+        return self
+
+    def __exit__(self, *exc):
+        self.checkpoint.safe_open = self.real_open
+
+
+class _SpiedFile:
+    def __init__(self, handle, elements):
+        self.handle, self.elements = handle, elements
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.handle.keys()
+
+    def _count(self, name, tensor):
+        self.elements[name] = self.elements.get(name, 0) + tensor.numel()
+        return tensor
+
+    def get_tensor(self, name):
+        return self._count(name, self.handle.get_tensor(name))
+
+    def get_slice(self, name):
+        stored, spied = self.handle.get_slice(name), self
+
+        class Part:
+            get_dtype, get_shape = stored.get_dtype, stored.get_shape
+
+            def __getitem__(self, index):
+                return spied._count(name, stored[index])
+        return Part()
+
+
+def case_checkpoint(rank: int, world_size: int, out: Path) -> dict:
+    """Each tiny model quantized and saved in several files by rank 0, then loaded shard by shard on every rank
+    (reads counted) and, for comparison, loaded whole and sharded by shard_model."""
+    from w8a8_cpu import distributed
+    from w8a8_cpu.llm import checkpoint
+
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for arch, attention in CHECKPOINT_CASES.items():
+        directory = out / arch
+        want = None
+        if rank == 0:
+            model = _tiny_model(arch)
+            with torch.inference_mode():
+                want = model(ids).logits
+            checkpoint.save_compressed(model, directory, max_shard_bytes=CHECKPOINT_SHARD_BYTES)
+        distributed.dist.barrier()
+        with _ReadSpy(checkpoint) as spy:
+            model, report = distributed.load_sharded(directory, attention=attention)
+        whole = checkpoint.load_quantized(directory)
+        distributed.shard_model(whole, attention=attention, check_weights=False)
+        with torch.inference_mode():
+            got = model(ids).logits
+        results[arch] = {"want_logits": want, "got_logits": got, "attention": report.attention,
+                         "same_as_shard_model": distributed.weight_checksums(model) ==
+                         distributed.weight_checksums(whole) and repr(model) == repr(whole),
+                         "elements_read": spy.elements}
+    return results
 
 
 def _error_of(call) -> str:
@@ -120,7 +201,7 @@ def _error_of(call) -> str:
     return "no error"
 
 
-def case_bad_configs(rank: int, world_size: int) -> dict:
+def case_bad_configs(rank: int, world_size: int, out: Path) -> dict:
     from w8a8_cpu import distributed
 
     different = _tiny_model("llama")
@@ -135,11 +216,11 @@ def case_bad_configs(rank: int, world_size: int) -> dict:
     }
 
 
-def case_dead_rank(rank: int, world_size: int) -> dict:
+def case_dead_rank(rank: int, world_size: int, out: Path) -> dict:
     return _lost_rank(rank, lambda: os._exit(3))  # dies mid-run, without a goodbye
 
 
-def case_stalled_rank(rank: int, world_size: int) -> dict:
+def case_stalled_rank(rank: int, world_size: int, out: Path) -> dict:
     return _lost_rank(rank, lambda: (time.sleep(3 * DEAD_RANK_TIMEOUT_S), os._exit(3)))  # hangs, then dies
 
 
@@ -149,7 +230,7 @@ def _lost_rank(rank: int, lose) -> dict:
     from w8a8_cpu.nn import W8A8Linear
 
     layer = W8A8Linear.from_linear(torch.nn.Linear(64, 16))
-    row = distributed.RowParallelW8A8Linear(layer, slice(rank * 32, rank * 32 + 32), "row")
+    row = distributed.row_parallel(layer, slice(rank * 32, rank * 32 + 32), "row")
     x = torch.randn(3, 32)
     row(x)  # every rank is up and talking
     if rank == 1:
@@ -169,7 +250,7 @@ def _rank_main(case: str, out: str) -> None:
 
     distributed.init(timeout_s=DEAD_RANK_TIMEOUT_S if case.endswith("_rank") else LAUNCH_TIMEOUT_S)
     rank, world_size = distributed.dist.get_rank(), distributed.dist.get_world_size()
-    result = globals()[f"case_{case}"](rank, world_size)
+    result = globals()[f"case_{case}"](rank, world_size, Path(out))
     torch.save(result, Path(out) / f"rank{rank}.pt")
     distributed.dist.destroy_process_group()
 
@@ -256,6 +337,43 @@ def test_smollm2_is_bit_identical(world_size, tmp_path):
     assert results[0]["smollm2"]["attention"] == ("sharded" if world_size == 3 else "replicated")
     assert bool(results[0]["smollm2"]["notes"]) == (world_size == 2)
     _assert_model_identical(results, "smollm2")
+
+
+_SHARDED_WEIGHT = re.compile(r"\.(self_attn\.[qkvo]_proj|(mlp|shared_expert)\.(gate|up|down)_proj)\.weight$")
+_COLUMN_PARALLEL_SCALE = re.compile(r"\.(self_attn\.[qkv]_proj|(mlp|shared_expert)\.(gate|up)_proj)\.weight_scale$")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _stored_sizes(directory: Path):
+    """(elements of each tensor of the checkpoint in `directory`, number of files), from the headers."""
+    from safetensors import safe_open
+
+    sizes, files = {}, sorted(directory.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            sizes.update({name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()})
+    return sizes, len(files)
+
+
+def test_a_checkpoint_loads_shard_by_shard_reading_only_each_ranks_slices(world_size, tmp_path):
+    results = launch_ok("checkpoint", world_size, tmp_path)
+    for arch, attention in CHECKPOINT_CASES.items():
+        assert results[0][arch]["attention"] == ("sharded" if attention == "shard" else "replicated")
+        for rank_results in results:  # logits of the loaded shards = the model saved, on every rank
+            assert torch.equal(rank_results[arch]["got_logits"], results[0][arch]["want_logits"])
+            assert rank_results[arch]["same_as_shard_model"]
+        sizes, files = _stored_sizes(tmp_path / arch)
+        assert files > 2
+        for name, size in sizes.items():
+            read = [r[arch]["elements_read"].get(name, 0) for r in results]
+            sharded = (_SHARDED_WEIGHT.search(name) or _COLUMN_PARALLEL_SCALE.search(name)) and \
+                not (attention == "replicate" and "self_attn" in name)
+            if _EXPERT.search(name):  # the owning rank's experts only
+                assert sorted(read) == [0] * (world_size - 1) + [size], name
+            elif sharded:
+                assert read == [size // world_size] * world_size, name
+            else:  # replicated: embeddings, norms, routers, lm_head, row-parallel scales
+                assert read == [size] * world_size, name
 
 
 def test_bad_configurations_raise_clear_errors(tmp_path):

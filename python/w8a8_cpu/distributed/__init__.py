@@ -2,6 +2,7 @@
 
     group = w8a8_cpu.distributed.init(timeout_s=60)      # env:// (torchrun), gloo, a process-group timeout
     report = w8a8_cpu.distributed.shard_model(model)     # a model quantized by quantize_model / load_quantized
+    model, report = w8a8_cpu.distributed.load_sharded(directory)  # a W8A8 checkpoint, each rank reading its part
 
 Megatron-style split of each decoder layer: q/k/v and gate/up column-parallel (each rank keeps its rows: its heads,
 its slice of the intermediate size), o_proj and down_proj row-parallel (each rank keeps the matching K columns),
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators
-from ..nn import W8A8Experts, W8A8Linear
+from ..nn import W8A8Experts, W8A8Linear, _expert_weights
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -93,26 +94,82 @@ def _split(total: int, parts: int, rank: int, what: str) -> slice:
     return slice(rank * size, (rank + 1) * size)
 
 
+@dataclass(frozen=True)
+class LinearShard:
+    """This rank's part of one W8A8 Linear layer [N, K]. Column-parallel keeps the output channels `part` (weight
+    rows, their scales and bias): the input is replicated and quantized over its whole K on every rank, so those
+    output columns are bit-identical to the unsharded layer's. Row-parallel keeps the input columns `part` (scales
+    and bias whole) and becomes a RowParallelW8A8Linear."""
+    parallel: str  # "column" or "row"
+    part: slice
+    name: str
+    exact: bool = True
+    group: object = None
+
+    @property
+    def weight_index(self) -> tuple:
+        """Index of this rank's part of the int8 [N, K] weight."""
+        return (self.part,) if self.parallel == "column" else (slice(None), self.part)
+
+    @property
+    def channel_index(self) -> slice:
+        """Index of this rank's part of the per-output-channel scales and bias."""
+        return self.part if self.parallel == "column" else slice(None)
+
+    def build(self, weight: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+        """The sharded layer from this rank's tensors (the layer's, indexed by weight_index / channel_index)."""
+        local = W8A8Linear(weight, w_scale, bias)
+        return local if self.parallel == "column" else RowParallelW8A8Linear(local, self.name, self.exact, self.group)
+
+    def of(self, layer: W8A8Linear) -> torch.nn.Module:
+        """The sharded layer cut from a whole one."""
+        bias = None if layer.bias is None else layer.bias[self.channel_index]
+        return self.build(layer.int8_weight()[self.weight_index], layer.w_scale[self.channel_index], bias)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's experts `part` of a W8A8Experts module of `num_experts`."""
+    part: slice
+    num_experts: int
+    name: str
+    exact: bool = True
+    group: object = None
+
+    def build(self, local: W8A8Experts) -> "ExpertParallelW8A8Experts":
+        """The expert-parallel module from this rank's experts."""
+        return ExpertParallelW8A8Experts(local, self.part.start, self.num_experts, self.name, self.exact, self.group)
+
+    def of(self, layer: W8A8Experts) -> "ExpertParallelW8A8Experts":
+        """The expert-parallel module cut from a whole W8A8Experts."""
+        w13, w2 = layer.int8_weights()
+        return self.build(W8A8Experts(w13[self.part], layer.w13_scale[self.part], w2[self.part],
+                                      layer.w2_scale[self.part]))
+
+
 def column_parallel(layer: W8A8Linear, rows: slice) -> W8A8Linear:
-    """The output channels `rows` of `layer`, as a W8A8Linear: the input is replicated and quantized over its
-    whole K on every rank, so these columns of the output are bit-identical to the unsharded layer's."""
-    bias = None if layer.bias is None else layer.bias[rows]
-    return W8A8Linear(layer.int8_weight()[rows], layer.w_scale[rows], bias)
+    """The output channels `rows` of `layer`, as a W8A8Linear (bit-identical to those columns of its output)."""
+    return LinearShard("column", rows, "").of(layer)
+
+
+def row_parallel(layer: W8A8Linear, cols: slice, name: str, exact: bool = True, group=None) -> "RowParallelW8A8Linear":
+    """The input columns `cols` of `layer`, as a RowParallelW8A8Linear."""
+    return LinearShard("row", cols, name, exact, group).of(layer)
 
 
 class RowParallelW8A8Linear(torch.nn.Module):
-    """The input columns `cols` of a W8A8Linear; forward takes this rank's K-slice of the input and returns the
-    full output on every rank (see the module doc: exact=True is bit-identical to the unsharded layer)."""
+    """This rank's input columns of a W8A8Linear (`local`: int8 weight [N, K / world size], the whole layer's
+    scales and bias); forward takes this rank's K-slice of the input and returns the full output on every rank
+    (see the module doc: exact=True is bit-identical to the unsharded layer)."""
 
-    def __init__(self, layer: W8A8Linear, cols: slice, name: str, exact: bool = True, group=None):
+    def __init__(self, local: W8A8Linear, name: str, exact: bool = True, group=None):
         super().__init__()
         self.name, self.exact, self.group = name, exact, group
-        self.out_features = layer.out_features
-        self.in_features = cols.stop - cols.start
+        self.out_features, self.in_features = local.out_features, local.in_features
         self.rank = dist.get_rank(group)
-        self.register_buffer("weight_packed", W8A8Linear(layer.int8_weight()[:, cols], layer.w_scale).weight_packed)
-        self.register_buffer("w_scale", layer.w_scale)
-        self.register_buffer("bias", layer.bias)
+        self.register_buffer("weight_packed", local.weight_packed)
+        self.register_buffer("w_scale", local.w_scale)
+        self.register_buffer("bias", local.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -133,15 +190,15 @@ class RowParallelW8A8Linear(torch.nn.Module):
 
 
 class ExpertParallelW8A8Experts(torch.nn.Module):
-    """This rank's experts `experts` of a W8A8Experts; forward(hidden [T, H], top_k_index [T, k], top_k_weights
-    [T, k]) returns the full MoE output on every rank (exact=True: bit-identical to the unsharded module)."""
+    """This rank's experts (`local`, experts first_expert.. of num_experts) of a W8A8Experts; forward(hidden [T, H],
+    top_k_index [T, k], top_k_weights [T, k]) returns the full MoE output on every rank (exact=True: bit-identical
+    to the unsharded module)."""
 
-    def __init__(self, layer: W8A8Experts, experts: slice, name: str, exact: bool = True, group=None):
+    def __init__(self, local: W8A8Experts, first_expert: int, num_experts: int, name: str, exact: bool = True,
+                 group=None):
         super().__init__()
         self.name, self.exact, self.group = name, exact, group
-        self.first_expert, self.num_experts = experts.start, layer.num_experts
-        w13, w2 = layer.int8_weights()
-        self.local = W8A8Experts(w13[experts], layer.w13_scale[experts], w2[experts], layer.w2_scale[experts])
+        self.first_expert, self.num_experts, self.local = first_expert, num_experts, local
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -219,11 +276,73 @@ def _attention_split(config, world_size: int, attention: str) -> Tuple[bool, Opt
     return False, f"{problem}: attention is replicated on every rank, the MLP / experts are sharded"
 
 
-def _require_w8a8(module: torch.nn.Module, name: str) -> W8A8Linear:
-    if not isinstance(module, W8A8Linear):
-        raise ValueError(f"model: {name} is {type(module).__name__}, not W8A8Linear; shard_model splits quantized "
-                         f"models (quantize_model or load_quantized first, without skipping it)")
+@dataclass
+class ShardPlan:
+    """What this rank keeps of each sharded layer: the one rule that shard_model and load_sharded both apply."""
+    report: ShardReport
+    linears: Dict[str, LinearShard] = field(default_factory=dict)  # module name -> its part
+    experts: Dict[str, ExpertShard] = field(default_factory=dict)
+
+
+def _num_experts(module: torch.nn.Module) -> Optional[int]:
+    """The number of experts of a W8A8Experts or of a transformers fused-experts module (also one built on the meta
+    device, as load_sharded plans before reading), else None."""
+    if isinstance(module, W8A8Experts):
+        return module.num_experts
+    weights = _expert_weights(module)
+    return None if weights is None else weights[0].shape[0]
+
+
+def plan_shards(model: torch.nn.Module, group=None, attention: str = "auto", exact: bool = True) -> ShardPlan:
+    """This rank's part of each layer that a world of `group`'s size splits (see shard_model), from the model's
+    config and module tree only (layer sizes from out_features): no weight is read."""
+    if attention not in ("auto", "shard", "replicate"):
+        raise ValueError(f"attention: expected 'auto', 'shard' or 'replicate', got {attention!r}")
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = model.config
+    split_attention, note = _attention_split(config, world_size, attention)
+    plan = ShardPlan(ShardReport(world_size, "sharded" if split_attention else "replicated",
+                                 notes=[note] if note else []))
+
+    def split(projections, parallel: str, part: slice, name: str) -> None:
+        for p in projections:
+            plan.linears[f"{name}.{p}"] = LinearShard(parallel, part, f"{name}.{p}", exact, group)
+
+    for name, module in model.named_modules():
+        if split_attention and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            head_dim = module.q_proj.out_features // config.num_attention_heads
+            heads = _split(config.num_attention_heads, world_size, rank, f"the attention heads of {name}")
+            kv_heads = _split(config.num_key_value_heads, world_size, rank, f"the KV heads of {name}")
+            # contiguous head ranges keep GQA consistent: query head j reads KV head j // (heads / kv_heads)
+            q_rows = slice(heads.start * head_dim, heads.stop * head_dim)
+            split(("q_proj",), "column", q_rows, name)
+            split(("k_proj", "v_proj"), "column", slice(kv_heads.start * head_dim, kv_heads.stop * head_dim), name)
+            split(("o_proj",), "row", q_rows, name)
+            plan.report.layers[name] = (f"heads {heads.start}..{heads.stop - 1}, KV heads {kv_heads.start}.."
+                                        f"{kv_heads.stop - 1}")
+        elif all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            rows = _split(module.gate_proj.out_features, world_size, rank, f"the intermediate size of {name}")
+            split(("gate_proj", "up_proj"), "column", rows, name)
+            split(("down_proj",), "row", rows, name)
+            plan.report.layers[name] = f"intermediate {rows.start}..{rows.stop - 1}"
+        elif _num_experts(module) is not None:
+            total = _num_experts(module)
+            plan.experts[name] = ExpertShard(_split(total, world_size, rank, f"the number of experts of {name}"),
+                                             total, name, exact, group)
+            plan.report.layers[name] = f"expert-parallel ({total // world_size} experts per rank)"
+    return plan
+
+
+def _require_quantized(module: torch.nn.Module, name: str, kind: type) -> torch.nn.Module:
+    if not isinstance(module, kind):
+        raise ValueError(f"model: {name} is {type(module).__name__}, not {kind.__name__}; shard_model splits "
+                         f"quantized models (quantize_model or load_quantized first, without skipping it)")
     return module
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
 
 
 def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exact: bool = True,
@@ -234,51 +353,33 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
     attention: "shard" (heads and KV heads split; the world size must divide both), "replicate", or "auto"
     (shard when it divides, else replicate with a note in the report). MLPs (gate/up/down, including shared
     experts) are always split and experts always expert-parallel: a world size that does not divide the
-    intermediate size or the number of experts raises ValueError. check_weights compares a checksum of every
-    tensor across ranks first (ValueError naming the first that differs)."""
-    if attention not in ("auto", "shard", "replicate"):
-        raise ValueError(f"attention: expected 'auto', 'shard' or 'replicate', got {attention!r}")
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    intermediate size or the number of experts raises ValueError, and so does a layer of these kept float.
+    check_weights compares a checksum of every tensor across ranks first (ValueError naming the first that
+    differs)."""
+    plan = plan_shards(model, group, attention, exact)
     if check_weights:
         check_same_weights(model, group)
-    split_attention, note = _attention_split(model.config, world_size, attention)
-    report = ShardReport(world_size, "sharded" if split_attention else "replicated", notes=[note] if note else [])
-    for name, module in list(model.named_modules()):
-        if split_attention and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
-            _shard_attention(module, name, model.config, world_size, rank, exact, group, report)
-        elif all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            _shard_mlp(module, name, world_size, rank, exact, group, report)
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, W8A8Experts):
-                full = f"{name}.{child_name}" if name else child_name
-                experts = _split(child.num_experts, world_size, rank, f"the number of experts of {full}")
-                setattr(module, child_name, ExpertParallelW8A8Experts(child, experts, full, exact, group))
-                report.layers[full] = f"expert-parallel ({child.num_experts // world_size} experts per rank)"
-    return report
+    for name, shard in plan.linears.items():
+        _replace(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
+    for name, shard in plan.experts.items():
+        _replace(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
+    return plan.report
 
 
-def _shard_attention(attn, name, config, world_size, rank, exact, group, report) -> None:
-    q, k, v, o = (_require_w8a8(getattr(attn, p), f"{name}.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
-    head_dim = q.out_features // config.num_attention_heads
-    heads = _split(config.num_attention_heads, world_size, rank, f"the attention heads of {name}")
-    kv_heads = _split(config.num_key_value_heads, world_size, rank, f"the KV heads of {name}")
-    # contiguous head ranges keep GQA consistent: query head j reads KV head j // (heads / kv_heads) on every rank
-    q_rows = slice(heads.start * head_dim, heads.stop * head_dim)
-    kv_rows = slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)
-    attn.q_proj, attn.k_proj, attn.v_proj = column_parallel(q, q_rows), column_parallel(k, kv_rows), \
-        column_parallel(v, kv_rows)
-    attn.o_proj = RowParallelW8A8Linear(o, q_rows, f"{name}.o_proj", exact, group)
-    report.layers[name] = f"heads {heads.start}..{heads.stop - 1}, KV heads {kv_heads.start}..{kv_heads.stop - 1}"
+def load_sharded(directory, group=None, attention: str = "auto", exact: bool = True,
+                 dtype: Optional[torch.dtype] = None):
+    """(model, ShardReport): the W8A8 checkpoint in `directory` loaded as load_quantized loads it and sharded as
+    shard_model shards it, but each rank reads from the safetensors files only its own part of each sharded layer
+    (weight rows or columns, their scales and bias; its experts), and the replicated tensors (embeddings, norms,
+    routers, lm_head, attention when replicated) whole. Same module structure and bits as
+    shard_model(load_quantized(directory)) on this rank, and the same ValueErrors for bad files. Every rank calls it
+    on the same directory; the checkpoint's sharded layers must be stored W8A8."""
+    from ..llm.checkpoint import _load
+
+    model, plan = _load(directory, dtype, lambda empty: plan_shards(empty, group, attention, exact))
+    return model, plan.report
 
 
-def _shard_mlp(mlp, name, world_size, rank, exact, group, report) -> None:
-    gate, up, down = (_require_w8a8(getattr(mlp, p), f"{name}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
-    rows = _split(gate.out_features, world_size, rank, f"the intermediate size of {name}")
-    mlp.gate_proj, mlp.up_proj = column_parallel(gate, rows), column_parallel(up, rows)
-    mlp.down_proj = RowParallelW8A8Linear(down, rows, f"{name}.down_proj", exact, group)
-    report.layers[name] = f"intermediate {rows.start}..{rows.stop - 1}"
-
-
-__all__ = ["init", "shard_model", "check_same_weights", "weight_checksums", "column_parallel",
-           "RowParallelW8A8Linear", "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce",
-           "ShardReport"]
+__all__ = ["init", "shard_model", "load_sharded", "plan_shards", "ShardPlan", "LinearShard", "ExpertShard",
+           "check_same_weights", "weight_checksums", "column_parallel", "row_parallel", "RowParallelW8A8Linear",
+           "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce", "ShardReport"]

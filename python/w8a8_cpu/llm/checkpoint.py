@@ -480,9 +480,11 @@ class _StoredTensors:
         """safetensors dtype name ("I8", "BF16", ...) of `key`, None if the checkpoint lacks it."""
         return self._files[self._file_of[key]].get_slice(key).get_dtype() if key in self._file_of else None
 
-    def _take(self, key: str, dtypes: Sequence[str], shapes: Sequence[Sequence[int]], what: str) -> torch.Tensor:
-        """The tensor `key`, once its header says it has one of `dtypes` and one of `shapes` (nothing is read
-        before that, so a malformed header cannot make us read a huge tensor)."""
+    def _take(self, key: str, dtypes: Sequence[str], shapes: Sequence[Sequence[int]], what: str,
+              index: Optional[tuple] = None) -> torch.Tensor:
+        """The tensor `key`, or its part `index` (a tuple of slices: only those bytes are read), once its header
+        says it has one of `dtypes` and one of `shapes` (nothing is read before that, so a malformed header cannot
+        make us read a huge tensor)."""
         if key not in self._file_of:
             raise ValueError(f"{self.directory}: tensor {_echo(key)} ({what}) is missing from the checkpoint")
         stored = self._files[self._file_of[key]].get_slice(key)
@@ -490,66 +492,100 @@ class _StoredTensors:
             raise ValueError(f"{self._where(key)} is {stored.get_dtype()} {list(stored.get_shape())}; expected "
                              f"{what}: {' or '.join(dtypes)} {' or '.join(str(list(s)) for s in shapes)}")
         self.unused.discard(key)
-        return self._files[self._file_of[key]].get_tensor(key)
+        if index is None:
+            return self._files[self._file_of[key]].get_tensor(key)
+        return stored[index]
 
-    def int8(self, key: str, shape: Sequence[int]) -> torch.Tensor:
-        return self._take(key, ("I8",), [shape], "an int8 weight")
+    def leave(self, keys: Sequence[str]) -> None:
+        """Account for tensors that another rank reads (a sharded load), without reading them."""
+        self.unused.difference_update(keys)
 
-    def floating(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return self._take(key, tuple(_FLOAT_DTYPES), [shape], "a float tensor").to(dtype)
+    def int8(self, key: str, shape: Sequence[int], index: Optional[tuple] = None) -> torch.Tensor:
+        return self._take(key, ("I8",), [shape], "an int8 weight", index)
 
-    def scale(self, key: str, channels: int, strategy: str) -> torch.Tensor:
-        """fp32 [channels] weight scales, stored [n, 1] or [n] (n = channels, or 1 for a per-tensor scale, which is
-        broadcast exactly to every channel), each finite and > 0."""
+    def floating(self, key: str, shape: Sequence[int], dtype: torch.dtype,
+                 rows: Optional[slice] = None) -> torch.Tensor:
+        return self._take(key, tuple(_FLOAT_DTYPES), [shape], "a float tensor",
+                          None if rows is None else (rows,)).to(dtype)
+
+    def scale(self, key: str, channels: int, strategy: str, rows: Optional[slice] = None) -> torch.Tensor:
+        """fp32 weight scales of the `channels` output channels, or of their part `rows`, stored [n, 1] or [n]
+        (n = channels, or 1 for a per-tensor scale, which is broadcast exactly to every channel), each finite and
+        > 0."""
         n = channels if strategy == "channel" else 1
         shapes = [[n, 1], [n]] + ([[]] if n == 1 else [])
-        scale = self._take(key, tuple(_FLOAT_DTYPES), shapes, f"{strategy} weight scales").to(torch.float32)
+        index = (rows,) if rows is not None and strategy == "channel" else None
+        scale = self._take(key, tuple(_FLOAT_DTYPES), shapes, f"{strategy} weight scales", index).to(torch.float32)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
-        return scale.reshape(-1).expand(channels).contiguous()
+        kept = channels if rows is None else len(range(channels)[rows])
+        return scale.reshape(-1).expand(kept).contiguous()
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
 
 class _Loader:
-    """Fills a model built on the meta device from the checkpoint, layer by layer."""
+    """Fills a model built on the meta device from the checkpoint, layer by layer. A layer given a shard (a
+    LinearShard / ExpertShard of w8a8_cpu.distributed) is read only in that shard's part and built by it."""
 
     def __init__(self, model, tensors: _StoredTensors, scheme: _Scheme):
         self.model, self.tensors, self.scheme = model, tensors, scheme
         self.naming = _Naming(model.config)
 
-    def _linear(self, layer: str, classes: Sequence[str], shape: Sequence[int], dtype: torch.dtype):
-        """(int8 weight, fp32 scale [N]) of a W8A8 layer, or (float weight, None) of a layer stored float."""
+    def _strategy(self, layer: str, classes: Sequence[str]) -> Optional[str]:
+        return self.scheme.weight_strategy(layer, classes, self.tensors.stored_dtype(f"{layer}.weight"))
+
+    def _linear(self, layer: str, classes: Sequence[str], shape: Sequence[int], dtype: torch.dtype, shard=None):
+        """(int8 weight, fp32 scale) of a W8A8 layer (of its part `shard`, when given), or (float weight, None) of
+        a layer stored float."""
         weight = f"{layer}.weight"
-        strategy = self.scheme.weight_strategy(layer, classes, self.tensors.stored_dtype(weight))
+        strategy = self._strategy(layer, classes)
         if strategy is None:
+            if shard is not None:
+                raise ValueError(f"{self.tensors._where(weight)}: stored float, but a sharded load splits this "
+                                 f"layer, which must be W8A8")
             return self.tensors.floating(weight, shape, dtype), None
-        return self.tensors.int8(weight, shape), self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy)
+        if shard is None:
+            return self.tensors.int8(weight, shape), self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy)
+        return (self.tensors.int8(weight, shape, shard.weight_index),
+                self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy, shard.channel_index))
 
     def _replace(self, name: str, module: torch.nn.Module) -> None:
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, module)
 
-    def linear(self, name: str, module: torch.nn.Linear) -> None:
+    def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
         classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
-        weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype)
+        weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype, shard)
         if scale is None:
             module.weight = torch.nn.Parameter(weight, requires_grad=False)  # its bias: with the other parameters
             return
-        bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape, torch.float32)
-        self._replace(name, W8A8Linear(weight, scale, bias))
+        rows = None if shard is None else shard.channel_index
+        bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
+                                                                      torch.float32, rows)
+        self._replace(name, W8A8Linear(weight, scale, bias) if shard is None else shard.build(weight, scale, bias))
 
-    def experts(self, name: str, module: torch.nn.Module) -> None:
+    def experts(self, name: str, module: torch.nn.Module, shard=None) -> None:
+        """The experts module from its per-expert Linear layers (only the experts `shard.part` when sharded: the
+        others' headers decide whether the module is int8, their tensors are left to their ranks)."""
         gate_up, down = _expert_weights(module)
         experts, inter2, hidden = gate_up.shape
         shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
-        loaded = [[self._linear(layer, ("Linear",), shape, gate_up.dtype) for layer, shape in zip(layers, shapes)]
-                  for layers in self.naming.expert_linears(name, experts)]
-        quantized = {scale is not None for expert in loaded for _, scale in expert}
+        all_layers = self.naming.expert_linears(name, experts)
+        quantized = {self._strategy(layer, ("Linear",)) is not None for layers in all_layers for layer in layers}
         if len(quantized) > 1:
             raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} are "
                              f"partly int8, partly float; w8a8_cpu runs an experts module wholly one or the other")
+        if shard is not None:
+            if quantized == {False}:
+                raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} are "
+                                 f"stored float, but a sharded load splits them, which must be W8A8")
+            for layers in all_layers[:shard.part.start] + all_layers[shard.part.stop:]:
+                self.tensors.leave([f"{layer}.{t}" for layer in layers for t in ("weight", "weight_scale")])
+        mine = all_layers if shard is None else all_layers[shard.part]
+        loaded = [[self._linear(layer, ("Linear",), shape, gate_up.dtype) for layer, shape in zip(layers, shapes)]
+                  for layers in mine]
         w13 = torch.stack([torch.cat([gate[0], up[0]]) for gate, up, _ in loaded])
         w2 = torch.stack([down[0] for _, _, down in loaded])
         if quantized == {False}:
@@ -561,7 +597,8 @@ class _Loader:
                              f"implement SiLU-gated experts only")
         w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])
         w2_scale = torch.stack([down[1] for _, _, down in loaded])
-        self._replace(name, W8A8Experts(w13, w13_scale, w2, w2_scale))
+        local = W8A8Experts(w13, w13_scale, w2, w2_scale)
+        self._replace(name, local if shard is None else shard.build(local))
 
     def remaining(self, tied: Sequence[str]) -> None:
         """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its
@@ -633,6 +670,13 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
     layers are never created), and everything else is loaded in `dtype` (default: config.json's dtype, else
     float32). Any other scheme, and any file, field or tensor that is malformed, missing, unexpected or of the
     wrong dtype or shape, raises ValueError naming it."""
+    return _load(directory, dtype)[0]
+
+
+def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
+    """(model, plan(model) or None): load_quantized, or with `plan` (called on the model built on the meta device;
+    it returns w8a8_cpu.distributed's ShardPlan) a sharded load: each layer in plan.linears / plan.experts is read
+    only in its part and built by its shard."""
     from transformers import GenerationConfig
 
     directory = Path(directory)
@@ -649,13 +693,15 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
         except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
             raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
                              f"{_echo(str(e))})") from None
+        shards = None if plan is None else plan(model)
+        linear_shards, expert_shards = ({}, {}) if shards is None else (shards.linears, shards.experts)
         loader = _Loader(model, tensors, scheme)
         tied = set(_tied_weights(model))
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and f"{name}.weight" not in tied:
-                loader.linear(name, module)
+                loader.linear(name, module, linear_shards.get(name))
             elif _expert_weights(module) is not None:
-                loader.experts(name, module)
+                loader.experts(name, module, expert_shards.get(name))
         loader.remaining(tied)
         if tensors.unused:
             raise ValueError(f"{directory}: holds tensors that belong to no part of the {config.model_type} model: "
@@ -670,7 +716,7 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
             model.generation_config = GenerationConfig.from_pretrained(directory)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{generation_file}: not a valid generation config ({type(e).__name__})") from None
-    return model.eval()
+    return model.eval(), shards
 
 
 __all__ = ["save_compressed", "load_quantized"]

@@ -697,11 +697,18 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
         linear_shards, expert_shards = ({}, {}) if shards is None else (shards.linears, shards.experts)
         loader = _Loader(model, tensors, scheme)
         tied = set(_tied_weights(model))
+        unloaded_shards = set(linear_shards) | set(expert_shards)
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and f"{name}.weight" not in tied:
                 loader.linear(name, module, linear_shards.get(name))
             elif _expert_weights(module) is not None:
                 loader.experts(name, module, expert_shards.get(name))
+            else:
+                continue
+            unloaded_shards.discard(name)
+        if unloaded_shards:  # never load a layer the plan splits whole: the sharded model would compute wrong sums
+            raise ValueError(f"{directory}: layers to shard that the {config.model_type} model does not hold as linear "
+                             f"layers or experts: {_listing(sorted(unloaded_shards))}")
         loader.remaining(tied)
         if tensors.unused:
             raise ValueError(f"{directory}: holds tensors that belong to no part of the {config.model_type} model: "

@@ -204,10 +204,23 @@ def _error_of(call) -> str:
 def case_bad_configs(rank: int, world_size: int, out: Path) -> dict:
     from w8a8_cpu import distributed
 
+    import w8a8_cpu
+
     different = _tiny_model("llama")
     if rank == 1:  # this rank loaded other weights
         different.model.layers[1].mlp.up_proj.w_scale.mul_(1.0001)
+    one_weight_off, other_variant = _tiny_model("llama"), _tiny_model("llama")
+    if rank == 1:  # one int8 weight differs / the same int8 weights packed by another variant (another host's CPU)
+        down = one_weight_off.model.layers[0].mlp.down_proj
+        w = down.int8_weight()
+        w[3, 5] = 1 if w[3, 5] != 1 else 2
+        down.weight_packed = w8a8_cpu.pack_weight(w)
+        down = other_variant.model.layers[0].mlp.down_proj
+        with w8a8_cpu.use_variant("ref"):
+            down.weight_packed = w8a8_cpu.pack_weight(down.int8_weight())
     return {
+        "int8_weight": _error_of(lambda: distributed.shard_model(one_weight_off)),
+        "other_variant": _error_of(lambda: distributed.shard_model(other_variant)),
         "heads": _error_of(lambda: distributed.shard_model(
             _tiny_model("llama", hidden_size=144, num_attention_heads=9, num_key_value_heads=3), attention="shard")),
         "intermediate": _error_of(lambda: distributed.shard_model(_tiny_model("llama", intermediate_size=99))),
@@ -383,6 +396,9 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
         assert "does not divide the intermediate size of model.layers.0.mlp (99)" in errors["intermediate"]
         assert "does not divide the number of experts of model.layers.0.mlp.experts (5)" in errors["experts"]
         assert "rank 1's weights differ from rank 0's at model.layers.1.mlp.up_proj.w_scale" in errors["weights"]
+        assert "rank 1's weights differ from rank 0's at model.layers.0.mlp.down_proj.weight_packed" in \
+            errors["int8_weight"]
+        assert errors["other_variant"] == "no error"  # packed by 'ref' on rank 1: the same int8 weights
 
 
 @pytest.mark.parametrize("case", ["dead_rank", "stalled_rank"])

@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators
+from .. import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators,
+               unpack_weight)
 from ..nn import W8A8Experts, W8A8Linear, _expert_weights
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -228,12 +229,26 @@ class ExpertParallelW8A8Experts(torch.nn.Module):
 
 # ---- whole models ----------------------------------------------------------------------------------------------
 
+PACKED_MAGIC = b"W8A8PKW\0"  # the first 8 bytes of a packed weight blob (csrc/common/packed_weight.h)
+
+
+def _is_packed(t: torch.Tensor) -> bool:
+    return t.dtype == torch.uint8 and t.dim() in (1, 2) and t.shape[-1] >= 64 and \
+        all(bytes(row[:8].tolist()) == PACKED_MAGIC for row in t.reshape(-1, t.shape[-1]))
+
+
 def weight_checksums(model: torch.nn.Module) -> Dict[str, int]:
-    """crc32 of every tensor of the model's state (packed int8 weights, scales, float parameters), by name."""
+    """crc32 of every tensor of the model's state (int8 weights, scales, float parameters), by name. Packed weights
+    (one blob, or one per expert) are checksummed as the int8 [N, K] weights they hold: hosts whose CPUs pick
+    different kernel variants pack the same weight differently (layout, the packing variant's name), and must still
+    agree."""
     sums = {}
     for name, tensor in model.state_dict().items():
-        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        sums[name] = zlib.crc32(raw.numpy().data)
+        t = tensor.detach().contiguous()
+        crc = 0
+        for part in ([unpack_weight(row) for row in t.reshape(-1, t.shape[-1])] if _is_packed(t) else [t]):
+            crc = zlib.crc32(part.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
+        sums[name] = crc
     return sums
 
 

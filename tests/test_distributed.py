@@ -4,6 +4,7 @@ the others fail within the process-group timeout.
 
 Each launch starts its ranks as `python tests/test_distributed.py CASE ...` in new process groups, bounded in time;
 every rank runs 1 thread and rank 0 computes the one-process reference in the same process before sharding."""
+import json
 import math
 import os
 import re
@@ -414,3 +415,37 @@ def test_a_lost_rank_makes_the_others_fail_within_the_timeout(case, tmp_path):
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], sys.argv[2])
+
+
+def _launcher_json(argv, timeout_s: float = 600) -> dict:
+    """Run the launcher (bounded; its process group is killed on timeout); its JSON line (rank 0's report)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        pytest.fail(f"{' '.join(argv[:6])} did not finish within {timeout_s} s")
+    assert proc.returncode == 0, out[-4000:]
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert lines, out[-4000:]
+    return {"json": json.loads(lines[-1]), "out": out}
+
+
+@pytest.mark.slow_under_emulation  # two SmolLM2 jobs
+def test_torchrun_launcher_runs_the_main_job_sharded_with_the_single_process_numbers():
+    from w8a8_cpu.llm import smollm2
+
+    require_optional(smollm2.available(), smollm2.INSTALL_HINT)
+    job = ["--eval-tokens", "256", "--window", "128", "--stride", "128", "--calibration-tokens", "128",
+           "--new-tokens", "4", "--no-bench", "--no-progress", "--json"]
+    sharded = _launcher_json([*python_command(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                              "2", "-m", "w8a8_cpu.distributed.llm", "--threads", "1", *job])
+    single = _launcher_json([*python_command(), "-m", "w8a8_cpu.distributed.llm", "--threads", "1", *job])
+    for name in ("W8A8 (RTN)", "W8A8 (SmoothQuant)"):  # bit-identical models: the same perplexity, to the last bit
+        assert sharded["json"]["models"][name]["ppl"] == single["json"]["models"][name]["ppl"], name
+        assert sharded["json"]["models"][name]["greedy_text"] == single["json"]["models"][name]["greedy_text"]
+    timing = [line.split() for line in sharded["out"].splitlines() if re.match(r"\s+[01]\s+1\s+(exact|fp32)", line)]
+    assert sorted((row[0], row[2]) for row in timing) == [("0", "exact"), ("0", "fp32"), ("1", "exact"), ("1", "fp32")]

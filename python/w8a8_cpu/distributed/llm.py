@@ -42,6 +42,7 @@ def _set_exact(model: torch.nn.Module, exact: bool) -> None:
 
 def time_model(model: torch.nn.Module, prompt_ids: torch.Tensor, prefill_ids: torch.Tensor, new_tokens: int) -> dict:
     """Decode rate and prefill time of `model`, each with the seconds its collectives took (STATS)."""
+    from w8a8_cpu.cli.llm import prefill_seconds
     from w8a8_cpu.llm import evaluate
 
     STATS.reset()
@@ -50,7 +51,7 @@ def time_model(model: torch.nn.Module, prompt_ids: torch.Tensor, prefill_ids: to
     decode_comm = STATS.seconds
     rounds = 3
     STATS.reset()
-    prefill_s = evaluate.prefill_seconds({"model": model}, prefill_ids, rounds)["model"]
+    prefill_s = prefill_seconds({"model": model}, prefill_ids, rounds)["model"]
     return {"decode_tokens_per_s": decode["tokens_per_s"], "decode_allreduce_share": decode_comm / decode_s,
             "prefill_s": prefill_s, "prefill_allreduce_share": STATS.seconds / rounds / prefill_s,
             "prefill_allreduce_mib": STATS.bytes / rounds / 2 ** 20}

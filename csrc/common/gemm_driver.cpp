@@ -15,6 +15,8 @@ namespace w8a8_cpu {
 namespace {
 
 constexpr int64_t kAlign = 64;
+constexpr int64_t kScaleRowCols = 256;  // most columns scale_row takes at once (its fp32 row buffer)
+static_assert(kMaxPanelWidth <= kScaleRowCols, "a tile row must fit scale_row");
 
 // The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
 // contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
@@ -23,7 +25,7 @@ void scale_row(const int32_t* acc, int64_t r, int64_t n0, int64_t cols, const Ge
     std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
     return;
   }
-  float v[256];
+  float v[kScaleRowCols];
   void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
   // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
   float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
@@ -147,10 +149,10 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
 
 void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, const GemmOutput& o,
                         const ParallelFor& parallel_for) {
-  constexpr int64_t kCols = 256;  // scale_row's buffer
   dynamic_for(m, rows_per_claim(n * 4), parallel_for, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t n0 = 0; n0 < n; n0 += kCols) scale_row(acc + r * lda + n0, r, n0, std::min(kCols, n - n0), o);
+      for (int64_t n0 = 0; n0 < n; n0 += kScaleRowCols)
+        scale_row(acc + r * lda + n0, r, n0, std::min(kScaleRowCols, n - n0), o);
   });
 }
 

@@ -1,7 +1,7 @@
 """The packed weight blob's size and header, computed in Python (docs/ARCHITECTURE.md, "Packed weight blob").
 
 packed_weight_nbytes is the one Python source of the blob's size (the fake pack_weight kernel uses it); it mirrors
-packed_weight_sizes in csrc/common/gemm_driver.cpp, and tests/test_ops.py checks it against pack_weight for every
+packed_weight_sizes in csrc/common/packed_weight.cpp, and tests/test_ops.py checks it against pack_weight for every
 runnable variant."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from typing import Tuple
 
 from ._loader import ops
 
-HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/gemm_driver.h
+HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/packed_weight.h
+MAGIC = b"W8A8PKW\0"  # its first 8 bytes (kPackedMagic)
 
 
 def panel_layout() -> Tuple[int, int]:

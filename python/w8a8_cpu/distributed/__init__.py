@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .. import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators,
                unpack_weight)
+from .._packed_weight import HEADER_BYTES, MAGIC
 from ..nn import W8A8Experts, W8A8Linear, _expert_weights
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -229,12 +230,10 @@ class ExpertParallelW8A8Experts(torch.nn.Module):
 
 # ---- whole models ----------------------------------------------------------------------------------------------
 
-PACKED_MAGIC = b"W8A8PKW\0"  # the first 8 bytes of a packed weight blob (csrc/common/packed_weight.h)
-
-
 def _is_packed(t: torch.Tensor) -> bool:
-    return t.dtype == torch.uint8 and t.dim() in (1, 2) and t.shape[-1] >= 64 and \
-        all(bytes(row[:8].tolist()) == PACKED_MAGIC for row in t.reshape(-1, t.shape[-1]))
+    """A packed weight blob, or one per row (packed experts): each row starts with the blob magic."""
+    return t.dtype == torch.uint8 and t.dim() in (1, 2) and t.shape[-1] >= HEADER_BYTES and \
+        all(bytes(row[:len(MAGIC)].tolist()) == MAGIC for row in t.reshape(-1, t.shape[-1]))
 
 
 def weight_checksums(model: torch.nn.Module) -> Dict[str, int]:

@@ -92,9 +92,17 @@ def test_bench_threads_sweep_busy_and_error_column(tmp_path):
     out = tmp_path / "sweep.json"
     argv = [*python_command(), "-m", "w8a8_cpu", "bench", "--threads", "1", "2", "--busy", "--shapes", "576x576",
             "--m", "1", "--no-moe", "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "busy: a competing process spins on CPU" in proc.stdout
+    # In a session of its own: whatever the bench starts stays in that session, so an outliving busy process is
+    # found by session id (not by its command line, which another process on the machine may share).
+    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = bench.communicate(timeout=900)
+    finally:
+        leftovers = subprocess.run(["pgrep", "-s", str(bench.pid)], capture_output=True, text=True).stdout.split()
+        subprocess.run(["pkill", "-KILL", "-s", str(bench.pid)])
+    assert bench.returncode == 0, stdout + stderr
+    assert leftovers == [], "the busy process outlived the bench"
+    assert "busy: a competing process spins on CPU" in stdout
     runs = json.loads(out.read_text())["sweep"]
     assert [r["threads"] for r in runs] == [1, 2] and all(r["busy_cpu"] is not None for r in runs)
     have_ort = importlib.util.find_spec("onnxruntime") is not None and importlib.util.find_spec("onnx") is not None
@@ -103,8 +111,6 @@ def test_bench_threads_sweep_busy_and_error_column(tmp_path):
         errors = {cand: r["rel_error"] for cand, r in case["results"].items()}
         assert errors["torch fp32"] < 1e-5 and 1e-3 < errors["w8a8_cpu"] < 3e-2, errors
         assert ("onnxruntime rr" in errors) == have_ort
-    busy = subprocess.run(["pgrep", "-f", "while True"], capture_output=True, text=True)
-    assert busy.stdout.strip() == "", "the busy process outlived the bench"
 
 
 def test_bench_plot_without_matplotlib_says_how(tmp_path):

@@ -346,6 +346,7 @@ def test_smollm2_is_bit_identical(world_size, tmp_path):
     from w8a8_cpu.llm import smollm2
 
     require_optional(smollm2.available(), smollm2.INSTALL_HINT)
+    smollm2.ensure_cache()  # a first use dequantizes the model here, not inside the ranks' launch timeout
     results = launch_ok("smollm2", world_size, tmp_path)
     # 9 heads / 3 KV heads: 3 ranks split attention, 2 ranks replicate it (and say so) and split the MLPs
     assert results[0]["smollm2"]["attention"] == ("sharded" if world_size == 3 else "replicated")
@@ -439,6 +440,7 @@ def test_torchrun_launcher_runs_the_main_job_sharded_with_the_single_process_num
     from w8a8_cpu.llm import smollm2
 
     require_optional(smollm2.available(), smollm2.INSTALL_HINT)
+    smollm2.ensure_cache()
     job = ["--eval-tokens", "256", "--window", "128", "--stride", "128", "--calibration-tokens", "128",
            "--new-tokens", "4", "--no-bench", "--no-progress", "--json"]
     sharded = _launcher_json([*python_command(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",

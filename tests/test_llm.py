@@ -168,3 +168,53 @@ def test_perplexity_windows_score_each_token_at_most_once_with_context(n, window
         assert all(first - begin >= window - stride for begin, _, first in spans[1:])
     with pytest.raises(ValueError, match="stride"):
         evaluate.windows(n, window, window + 1)
+
+
+_CACHE_USER = r"""
+import json, shutil, sys, time
+from pathlib import Path
+from w8a8_cpu.llm import smollm2
+
+gguf, log = Path(sys.argv[1]), Path(sys.argv[2])
+smollm2.gguf_path = lambda: gguf
+
+
+def slow_build(gguf, target):  # stands in for the ~1 min dequantization; logs when it runs
+    with open(log, "a") as f:
+        f.write(f"start {time.monotonic()}\n")
+    time.sleep(0.5)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    (target / "w8a8_cpu_cache.json").write_text(json.dumps(smollm2._cache_key(gguf)))
+    with open(log, "a") as f:
+        f.write(f"end {time.monotonic()}\n")
+
+
+smollm2._build_cache = slow_build
+print(smollm2.ensure_cache())
+"""
+
+
+def test_concurrent_first_use_builds_the_cache_once(tmp_path):
+    """The ranks of a tensor-parallel run all load the model at once: one builds the cache, the others wait for it
+    (before, they raced on the rename and could leave a cache without its config or weights)."""
+    pytest.importorskip("transformers")  # the cache key names its version
+    gguf, log = tmp_path / "model.gguf", tmp_path / "builds.log"
+    gguf.write_bytes(b"GGUF")
+    env = {**os.environ, "W8A8_CPU_CACHE": str(tmp_path / "cache")}
+    users = [subprocess.Popen([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    try:
+        outputs = [user.communicate(timeout=120) for user in users]
+    finally:
+        for user in users:
+            user.kill()
+    assert [user.returncode for user in users] == [0, 0, 0], outputs
+    assert {out.strip() for out, _ in outputs} == {str(tmp_path / "cache" / "smollm2-135m-instruct")}
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end"]
+    # A second use finds it fresh; a changed model file makes it stale, and it is rebuilt.
+    subprocess.run([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, check=True, timeout=120)
+    assert len(log.read_text().splitlines()) == 2
+    gguf.write_bytes(b"GGUF v2")
+    subprocess.run([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, check=True, timeout=120)
+    assert len(log.read_text().splitlines()) == 4

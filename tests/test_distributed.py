@@ -266,7 +266,10 @@ def _rank_main(case: str, out: str) -> None:
     rank, world_size = distributed.dist.get_rank(), distributed.dist.get_world_size()
     result = globals()[f"case_{case}"](rank, world_size, Path(out))
     torch.save(result, Path(out) / f"rank{rank}.pt")
-    distributed.dist.destroy_process_group()
+    if case.endswith("_rank"):  # its peer is gone: nothing to wait for
+        distributed.dist.destroy_process_group()
+    else:
+        distributed.finish()
 
 
 # ---- the launcher (in the test process) ------------------------------------------------------------------------

@@ -241,29 +241,48 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
   return bias->to(at::kFloat).contiguous();
 }
 
-// Core: x_q int8 [M, K] (validated) times the weight, epilogue, into a new [M, N] tensor; raw: the int32
-// accumulators instead (x_scale, w_scale, bias and out_dtype unused).
-at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const at::Tensor& w, const at::Tensor& w_scale,
-                     const c10::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool raw = false) {
-  const MicroKernel& kernel = active_kernel();
-  const FloatKind out_kind = raw ? FloatKind::f32 : float_kind(out_dtype, "out_dtype");
-  if (raw) out_dtype = at::kInt;
-  at::Tensor packed_storage;
-  const PackedWeightView wv = weight_view(w, x_q.size(1), packed_storage);
-  const int64_t m = x_q.size(0), n = wv.header.n;
-  at::Tensor ws, b;
-  if (!raw) {
-    ws = checked_scales(w_scale, n, "w_scale", "output channel");
-    b = checked_bias(bias, n);
+// A GEMM op's weight operand, checked: its packed view (a raw int8 [N, K] weight is packed into `storage` for this
+// call) and, for ops with an epilogue, the per-output-channel scales and the bias as contiguous fp32.
+struct WeightOperand {
+  at::Tensor storage;  // declared before view: weight_view fills it first
+  PackedWeightView view;
+  at::Tensor scales, bias;
+
+  WeightOperand(const at::Tensor& w, int64_t k) : view(weight_view(w, k, storage)) {}
+  WeightOperand(const at::Tensor& w, int64_t k, const at::Tensor& w_scale, const c10::optional<at::Tensor>& b)
+      : WeightOperand(w, k) {
+    scales = checked_scales(w_scale, n(), "w_scale", "output channel");
+    bias = checked_bias(b, n());
   }
-  auto out = at::empty({m, n}, x_q.options().dtype(out_dtype));
+  int64_t n() const { return view.header.n; }
+};
+
+// The epilogue's operands for `out` [M, N] (row scales may be null where linear() computes them itself).
+GemmOutput epilogue(const float* x_scales, const at::Tensor& w_scales, const at::Tensor& bias, at::Tensor& out,
+                    FloatKind out_kind) {
+  return {x_scales, w_scales.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr(),
+          out_kind, out.size(1)};
+}
+
+// Core: x_q int8 [M, K] (validated) times the weight into a new [M, N] tensor, through the epilogue or, when
+// x_scale is undefined, as the raw int32 accumulators.
+at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const WeightOperand& w,
+                     at::ScalarType out_dtype) {
+  const MicroKernel& kernel = active_kernel();
+  const bool raw = !x_scale.defined();
+  const FloatKind out_kind = raw ? FloatKind::f32 : float_kind(out_dtype, "out_dtype");
+  const int64_t m = x_q.size(0);
+  auto out = at::empty({m, w.n()}, x_q.options().dtype(raw ? at::kInt : out_dtype));
   if (m == 0) return out;
-  const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, wv.header.k_padded));
-  GemmOutput o{raw ? nullptr : x_scale.data_ptr<float>(), raw ? nullptr : ws.data_ptr<float>(),
-               b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), out_kind, n};
-  o.raw_int32 = raw;
+  const at::Tensor scratch = scratch_buffer(gemm_scratch_nbytes(kernel, m, w.view.header.k_padded));
+  GemmOutput o{nullptr, nullptr, nullptr, out.data_ptr(), out_kind, w.n()};
+  if (raw) {
+    o.raw_int32 = true;
+  } else {
+    o = epilogue(x_scale.data_ptr<float>(), w.scales, w.bias, out, out_kind);
+  }
   as_value_errors([&] {
-    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), wv, o, scratch.data_ptr(), kTorchParallelFor);
+    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), w.view, o, scratch.data_ptr(), kTorchParallelFor);
     return 0;
   });
   return out;
@@ -326,7 +345,7 @@ at::Tensor int8_mm_op(const at::Tensor& x_q, const at::Tensor& w) {
   TORCH_CHECK_VALUE(x_q.scalar_type() == at::kChar, "x_q: dtype must be int8, got ", x_q.scalar_type());
   check_rows(x_q, "x_q");
   check_k(x_q.size(1), "x_q");
-  return scaled_mm(x_q, at::Tensor(), w, at::Tensor(), c10::nullopt, at::kInt, /*raw=*/true);
+  return scaled_mm(x_q, at::Tensor(), WeightOperand(w, x_q.size(1)), at::kInt);
 }
 
 // The epilogue of int8_scaled_mm on int32 accumulators [M, N] computed elsewhere (int8_mm, then summed): same bits.
@@ -342,9 +361,7 @@ at::Tensor scale_accumulators_op(const at::Tensor& acc, const at::Tensor& x_scal
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, acc.options().dtype(out_dtype.value_or(at::kFloat)));
   scale_accumulators(acc.data_ptr<int32_t>(), m, n, acc.stride(0),
-                     {xs.data_ptr<float>(), ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                      out.data_ptr(), out_kind, n},
-                     kTorchParallelFor);
+                     epilogue(xs.data_ptr<float>(), ws, b, out, out_kind), kTorchParallelFor);
   return out;
 }
 
@@ -356,7 +373,7 @@ at::Tensor int8_scaled_mm_op(const at::Tensor& x_q, const at::Tensor& w, const a
   check_rows(x_q, "x_q");
   check_k(x_q.size(1), "x_q");
   const at::Tensor xs = checked_scales(x_scale, x_q.size(0), "x_scale", "row of x_q");
-  return scaled_mm(x_q, xs, w, w_scale, bias, out_dtype.value_or(at::kFloat));
+  return scaled_mm(x_q, xs, WeightOperand(w, x_q.size(1), w_scale, bias), out_dtype.value_or(at::kFloat));
 }
 
 at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
@@ -367,25 +384,22 @@ at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w
   const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
   const FloatKind out_kind = float_kind(dtype, "out_dtype");
   const MicroKernel& kernel = active_kernel();
-  at::Tensor packed_storage;
-  const PackedWeightView wv = weight_view(w, rows.size(1), packed_storage);
-  const int64_t m = rows.size(0), n = wv.header.n;
-  const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
-  const at::Tensor b = checked_bias(bias, n);
+  const WeightOperand weight(w, rows.size(1), w_scale, bias);
+  const int64_t m = rows.size(0), n = weight.n();
   const at::Tensor row_amax = checked_amax(amax, m);
   auto out = at::empty({m, n}, rows.options().dtype(dtype));
   if (m > 0) {
     // Scratch: the per-row scales (a whole number of cache lines), then linear()'s.
     const int64_t scales_bytes = (4 * m + 63) / 64 * 64;
+    const PackedWeightHeader& shape = weight.view.header;
     const at::Tensor scratch =
-        scratch_buffer(scales_bytes + linear_scratch_nbytes(kernel, m, wv.header.k, wv.header.k_padded));
+        scratch_buffer(scales_bytes + linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded));
     auto* base = static_cast<uint8_t*>(scratch.data_ptr());
     const int64_t bad = as_value_errors([&] {
       return linear(kernel, rows.data_ptr(), kind, m, rows.stride(0),
-                    row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, wv,
-                    {nullptr, ws.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(),
-                     out_kind, n},
-                    reinterpret_cast<float*>(base), base + scales_bytes, kTorchParallelFor);
+                    row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, weight.view,
+                    epilogue(nullptr, weight.scales, weight.bias, out, out_kind), reinterpret_cast<float*>(base),
+                    base + scales_bytes, kTorchParallelFor);
     });
     check_finite_rows(bad, "x");
   }

@@ -70,6 +70,14 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
     return dist.group.WORLD
 
 
+def finish(group=None) -> None:
+    """Leave the process group: a barrier (RankFailure if a rank is gone), then destroy_process_group. No rank tears
+    down its connections, or rank 0 the rendezvous store, while another is still inside a collective: a rank exiting
+    early has aborted a peer in teardown (SIGABRT, "terminate called without an active exception")."""
+    _collective("final barrier", lambda: dist.barrier(group=group))
+    dist.destroy_process_group(group)
+
+
 def _collective(what: str, fn, *tensors: torch.Tensor) -> None:
     t0 = time.perf_counter()
     try:
@@ -394,6 +402,6 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
     return model, plan.report
 
 
-__all__ = ["init", "shard_model", "load_sharded", "plan_shards", "ShardPlan", "LinearShard", "ExpertShard",
+__all__ = ["init", "finish", "shard_model", "load_sharded", "plan_shards", "ShardPlan", "LinearShard", "ExpertShard",
            "check_same_weights", "weight_checksums", "column_parallel", "row_parallel", "RowParallelW8A8Linear",
            "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce", "ShardReport"]

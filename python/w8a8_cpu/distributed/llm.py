@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8A8Linear, dist, init, shard_model
+from . import (STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8A8Linear, dist, finish, init,
+               shard_model)
 
 
 def _parser():
@@ -124,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     timing = {"threads": torch.get_num_threads(), "run_seconds": time.perf_counter() - t0, "schemes": schemes}
     timings: List[Optional[dict]] = [None] * world_size
     dist.all_gather_object(timings, timing)
-    dist.destroy_process_group()
+    finish()
     if rank != 0:
         return 0
     result.update(world_size=world_size, shard_notes=notes, rank_timing=timings)

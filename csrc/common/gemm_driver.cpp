@@ -43,11 +43,6 @@ bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
   return false;
 }
 
-
-}  // namespace
-
-namespace {
-
 // One row of quantize_rows; false for a non-finite row (scale NaN, q zeros).
 bool quantize_row_checked(const MicroKernel& kernel, const void* row, FloatKind kind, int64_t k, const float* amax_given,
                           int8_t* q, float* scale) {
@@ -69,10 +64,24 @@ bool quantize_row_checked(const MicroKernel& kernel, const void* row, FloatKind 
   return true;
 }
 
-void note_bad_row(std::atomic<int64_t>& first_bad, int64_t r) {
-  int64_t seen = first_bad.load();
-  while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
+// Rows [r0, r1) of quantize_rows / linear: row r from x + r * ldx into q + r * ldq and scales[r]; the lowest
+// non-finite row seen by any thread is kept in first_bad (m when none).
+void quantize_row_range(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t ldx, int64_t k,
+                        const float* row_amax, int8_t* q, int64_t ldq, float* scales, int64_t r0, int64_t r1,
+                        std::atomic<int64_t>& first_bad) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if (quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, k, row_amax ? row_amax + r : nullptr,
+                             q + r * ldq, scales + r))
+      continue;
+    int64_t seen = first_bad.load();
+    while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
+    }
   }
+}
+
+int64_t first_bad_row(const std::atomic<int64_t>& first_bad, int64_t m) {
+  const int64_t bad = first_bad.load();
+  return bad < m ? bad : -1;
 }
 
 // Rows per claim of the row passes (quantize, pack): about 64 KiB of input each; below that, one claim (no region).
@@ -84,13 +93,9 @@ int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, 
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for, const float* row_amax) {
   std::atomic<int64_t> first_bad{m};
   dynamic_for(m, rows_per_claim(k), parallel_for, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      if (!quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, k, row_amax ? row_amax + r : nullptr,
-                                q + r * ldq, scales + r))
-        note_bad_row(first_bad, r);
+    quantize_row_range(kernel, x, kind, ldx, k, row_amax, q, ldq, scales, r0, r1, first_bad);
   });
-  const int64_t bad = first_bad.load();
-  return bad < m ? bad : -1;
+  return first_bad_row(first_bad, m);
 }
 
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
@@ -207,16 +212,12 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   const int64_t a_stride = packed_a_stride(kernel, h.k_padded);
   std::atomic<int64_t> first_bad{m};
   dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      if (!quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, h.k, row_amax ? row_amax + r : nullptr,
-                                q + r * h.k, a_scales_out + r))
-        note_bad_row(first_bad, r);
+    quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, first_bad);
     pack_rows_via(kernel, r0, r1, [&](int64_t r) { return q + r * h.k; }, h.k, h.k_padded, a_packed, a_stride);
   });
   o.a_scales = a_scales_out;
   gemm_packed(kernel, a_packed, a_stride, m, w, o, parallel_for);
-  const int64_t bad = first_bad.load();
-  return bad < m ? bad : -1;
+  return first_bad_row(first_bad, m);
 }
 
 }  // namespace w8a8_cpu

@@ -25,8 +25,9 @@ struct PanelLayout {
 // Largest K for which an int32 accumulator cannot overflow: |a·w| <= 128·128 = 2^14 per product.
 constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
 
-// A variant's tile geometry, queried at run time (once per op, never cached across ops): fixed-width ISAs return
-// constants; an SME2 tile's width follows the streaming vector length, which only the running CPU knows.
+// A variant's tile geometry, queried at run time: fixed-width ISAs return constants; an SME2 tile's width follows the
+// streaming vector length, which only the running CPU knows. The driver queries it wherever it needs it (sizing
+// scratch, packing, each task), so it must return the same value for the life of the process.
 // The driver's int32 tile buffer (on the stack): mr * nr of any tile call fits it.
 constexpr int kMaxTileInt32 = 1024;
 
@@ -83,7 +84,8 @@ static TileGeometry fixed_geometry() {
 
 // pack_a_rows of a variant that packs row by row.
 template <void (*PackRow)(const int8_t* a, int64_t k, int64_t k_padded, void* dst)>
-static void pack_rows_one_by_one(const int8_t* const* rows, int64_t m, int64_t k, int64_t k_padded, void* dst, size_t stride) {
+static void pack_rows_one_by_one(const int8_t* const* rows, int64_t m, int64_t k, int64_t k_padded, void* dst,
+                                 size_t stride) {
   for (int64_t i = 0; i < m; ++i) PackRow(rows[i], k, k_padded, static_cast<char*>(dst) + i * stride);
 }
 

@@ -10,10 +10,6 @@
 namespace w8a8_cpu {
 namespace {
 
-constexpr int64_t kAlign = 64;
-
-int64_t align(int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
-
 // exp(x) for x in [-87, 88] without a library call, so the loop below vectorizes with the baseline ISA:
 // x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (rel. error < 2e-7), 2^n via the exponent bits.
 // n is rounded by adding and subtracting 1.5 * 2^23 (plain IEEE adds, no rounding instruction needed).
@@ -35,7 +31,7 @@ inline float exp_poly(float x) {
 }
 
 struct Layout {  // byte offsets of the scratch regions
-  int64_t counts, order, hq, hs, a1, s1, gate_up, aq, s2, a2, down, total;
+  int64_t order, hq, hs, a1, s1, gate_up, aq, s2, a2, down, total;
 };
 
 Layout scratch_layout(const MicroKernel& kernel, const MoeProblem& p) {
@@ -44,10 +40,9 @@ Layout scratch_layout(const MicroKernel& kernel, const MoeProblem& p) {
   int64_t at = 0;
   auto take = [&](int64_t bytes) {
     const int64_t here = at;
-    at += align(bytes);
+    at += round_up(bytes, 64);
     return here;
   };
-  l.counts = take((p.experts + 1) * 8);
   l.order = take(pairs * 8);
   l.hq = take(p.tokens * p.hidden);
   l.hs = take(p.tokens * 4);

@@ -390,7 +390,7 @@ at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w
   auto out = at::empty({m, n}, rows.options().dtype(dtype));
   if (m > 0) {
     // Scratch: the per-row scales (a whole number of cache lines), then linear()'s.
-    const int64_t scales_bytes = (4 * m + 63) / 64 * 64;
+    const int64_t scales_bytes = round_up(4 * m, 64);
     const PackedWeightHeader& shape = weight.view.header;
     const at::Tensor scratch =
         scratch_buffer(scales_bytes + linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded));

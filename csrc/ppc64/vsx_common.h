@@ -6,7 +6,7 @@
 #include "../common/microkernel.h"
 
 namespace w8a8_cpu {
-// The panel width every variant of this arch packs (kr differs: 4, or 8 for smmla), in one place.
+// The panel width every variant of this arch packs, in one place.
 constexpr int kPpc64PanelWidth = 16;
 // Packed A row for the ppc64 variants: uint8 a + 128 (vmsummbm and xvi8ger4 take one unsigned operand),
 // padded with 128 (a = 0) up to k_padded.

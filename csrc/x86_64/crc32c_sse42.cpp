@@ -1,12 +1,12 @@
 // CRC-32C of packed weight blobs with the SSE4.2 crc32 instruction, which implements exactly the Castagnoli
 // polynomial, so results equal crc32c_portable bit for bit (tests/cpp/kernel_tests.cpp checks it). Compiled with
-// -msse4.2 and nothing else; crc32c() (gemm_driver.cpp) calls it only when cpu_features() has kFeatSse42.
+// -msse4.2 and nothing else; crc32c() (packed_weight.cpp) calls it only when cpu_features() has kFeatSse42.
 //
 // crc32 has a 3-cycle latency and a 1-cycle throughput: one dependency chain would run at a third of the
 // instruction's rate, so three chains run over three adjacent blocks and are joined with the CRC combination rule
 // crc(A B) = crc(A) * x^(8 |B|) mod P xor crc(B) (as zlib's crc32_combine).
 #if !defined(__SSE4_2__)
-#error "crc32c_sse42.cpp is a variant TU: build it with its ISA flags (-msse4.2), through w8a8_cpu_add_variant"
+#error "crc32c_sse42.cpp needs -msse4.2 (csrc/x86_64/variants.cmake adds it with that flag)"
 #endif
 #include <nmmintrin.h>
 

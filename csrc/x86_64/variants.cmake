@@ -14,7 +14,7 @@ w8a8_cpu_add_variant(avx512_vnni
   SOURCES csrc/x86_64/avx512_vnni.cpp)
 
 # CRC-32C of packed weight blobs (their checksum) with the SSE4.2 crc32 instruction: its own TU with its own flag,
-# chosen at run time (kFeatSse42). Without it, and on other arches, gemm_driver.cpp's portable code runs.
+# chosen at run time (kFeatSse42). Without it, and on other arches, packed_weight.cpp's portable code runs.
 target_sources(w8a8_kernels PRIVATE csrc/x86_64/crc32c_sse42.cpp)
 set_source_files_properties(csrc/x86_64/crc32c_sse42.cpp PROPERTIES COMPILE_OPTIONS "-msse4.2")
 target_compile_definitions(w8a8_kernels PRIVATE W8A8_CPU_HAVE_SSE42_CRC=1)

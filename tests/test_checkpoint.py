@@ -573,6 +573,15 @@ def test_unknown_model_type_refused(checkpoint):
         load_quantized(checkpoint)
 
 
+@pytest.mark.parametrize("field", ["num_attention_heads", "num_key_value_heads"])
+def test_zero_heads_refused(checkpoint, field):
+    """transformers divides by these while building the config or the model: ZeroDivisionError becomes ValueError."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, field: 0}))
+    with pytest.raises(ValueError, match="config.json: (not a valid|no causal LM)"):
+        load_quantized(checkpoint)
+
+
 def test_not_a_safetensors_file_refused(checkpoint):
     (checkpoint / SINGLE_FILE).write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file"):

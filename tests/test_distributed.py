@@ -406,6 +406,18 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
         assert errors["other_variant"] == "no error"  # packed by 'ref' on rank 1: the same int8 weights
 
 
+@pytest.mark.parametrize("heads", [{}, {"num_attention_heads": 8}, {"num_attention_heads": 8, "num_key_value_heads": 0},
+                                   {"num_attention_heads": "8", "num_key_value_heads": 2}])
+def test_a_config_without_usable_head_counts_is_refused(heads):
+    """A model family without these fields (GPT-2, OPT, ...) or a config holding other values: ValueError, no crash."""
+    from types import SimpleNamespace
+
+    from w8a8_cpu import distributed
+
+    with pytest.raises(ValueError, match="positive integers num_attention_heads and num_key_value_heads"):
+        distributed._attention_split(SimpleNamespace(**heads), 2, "auto")
+
+
 @pytest.mark.parametrize("case", ["dead_rank", "stalled_rank"])
 def test_a_lost_rank_makes_the_others_fail_within_the_timeout(case, tmp_path):
     results, codes, outputs = launch(case, 2, tmp_path, timeout_s=LAUNCH_TIMEOUT_S)

@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ._loader import ops
-from ._packed_weight import HEADER_BYTES
+from ._packed_weight import HEADER_BYTES, header_sizes
 
 
 def info() -> dict:
@@ -122,8 +122,7 @@ def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
                          f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
     raw = blob.detach().contiguous()
     ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
-    nr, kr = (int(v) for v in raw[12:16].clone().view(torch.int16).tolist())
-    n, k, n_padded, k_padded = (int(v) for v in raw[16:48].clone().view(torch.int64).tolist())
+    nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
     # panel[k / kr][n % nr][k % kr] per panel of nr channels
     w = panels.reshape(n_padded // nr, k_padded // kr, nr, kr).permute(0, 2, 1, 3).reshape(n_padded, k_padded)

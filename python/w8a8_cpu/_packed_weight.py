@@ -8,10 +8,20 @@ from __future__ import annotations
 import json
 from typing import Tuple
 
+import torch
+
 from ._loader import ops
 
 HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/packed_weight.h
 MAGIC = b"W8A8PKW\0"  # its first 8 bytes (kPackedMagic)
+
+
+def header_sizes(blob) -> Tuple[int, int, int, int, int, int]:
+    """(nr, kr, n, k, n_padded, k_padded) from the header of a blob (uint8 tensor) that ops._verify_packed_weight
+    accepted: only then are they bounded and describe the blob. Offsets as PackedWeightHeader's."""
+    nr, kr = (int(v) for v in blob[12:16].clone().view(torch.int16).tolist())
+    n, k, n_padded, k_padded = (int(v) for v in blob[16:48].clone().view(torch.int64).tolist())
+    return nr, kr, n, k, n_padded, k_padded
 
 
 def panel_layout() -> Tuple[int, int]:

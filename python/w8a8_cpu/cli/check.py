@@ -53,7 +53,10 @@ def self_check(variants: List[str]) -> bool:
     return ok
 
 
-def benchmark(m: int, n: int, k: int, iters: int, rounds: int = 5) -> Dict[str, float]:
+ROUNDS = 5  # interleaved rounds of the check's benchmark
+
+
+def benchmark(m: int, n: int, k: int, iters: int, rounds: int = ROUNDS) -> Dict[str, float]:
     """Median times in ms of the W8A8 linear (packed weights) vs torch fp32 and torch.ao dynamic quantized Linear,
     measured interleaved in the same run: per round, each candidate's median of `iters` calls."""
     linear = torch.nn.Linear(k, n)

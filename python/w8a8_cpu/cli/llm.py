@@ -62,9 +62,11 @@ def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, round
 
 def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibration_tokens: int = 1024,
         new_tokens: int = 64, prefill_tokens: int = 512, bench: bool = True, show_progress: bool = True,
-        prepare_w8a8: Optional[Callable[[str, torch.nn.Module], None]] = None, compile_decode: bool = False) -> dict:
+        prepare_w8a8: Optional[Callable[[str, torch.nn.Module], None]] = None, compile_decode: bool = False,
+        on_inputs: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None) -> dict:
     """The main job; returns its results (print_report prints them). prepare_w8a8(name, model) is called on each
-    W8A8 model once it is quantized (w8a8_cpu.distributed.llm shards them there). compile_decode: also time the
+    W8A8 model once it is quantized (w8a8_cpu.distributed.llm shards them there); on_inputs(chat prompt ids, prefill
+    ids) once they are built (the launcher times its schemes on them). compile_decode: also time the
     W8A8 (SmoothQuant) model's decode under torch.compile (evaluate.compiled_greedy; compiling takes minutes)."""
     n_windows = len(evaluate.windows(eval_tokens, window, stride))
     progress = Progress(7 + n_windows + bench + compile_decode, enabled=show_progress, name="llm")
@@ -95,6 +97,10 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
                                         on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
 
     prompt_ids = chat_prompt_ids(tokenizer)
+    prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
+        eval_ids.repeat(prefill_tokens // eval_ids.numel() + 1)[:prefill_tokens]
+    if on_inputs:
+        on_inputs(prompt_ids, prefill_ids)
     progress.step(f"greedy generation, {new_tokens} tokens each")
     generated = {name: evaluate.greedy(model, prompt_ids, new_tokens) for name, model in models.items()}
     reference_tokens = generated[FP32]["tokens"]
@@ -131,8 +137,6 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
             "equal_to_eager_w8a8": compiled["tokens"] == generated[SQ]["tokens"]}
     if bench:
         progress.step(f"prefill timing, {prefill_tokens} tokens")
-        prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
-            eval_ids.repeat(prefill_tokens // eval_ids.numel() + 1)[:prefill_tokens]
         for name, seconds in prefill_seconds(models, prefill_ids).items():
             result["models"][name]["prefill_s"] = seconds
     sq_ppl, fp_ppl = result["models"][SQ]["ppl"], result["models"][FP32]["ppl"]

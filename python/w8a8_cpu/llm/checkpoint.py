@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights, is_silu
+from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights, is_silu, _replace_module
 
 PathLike = Union[str, Path]
 
@@ -550,10 +550,6 @@ class _Loader:
         return (self.tensors.int8(weight, shape, shard.weight_index),
                 self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy, shard.channel_index))
 
-    def _replace(self, name: str, module: torch.nn.Module) -> None:
-        parent, _, child = name.rpartition(".")
-        setattr(self.model.get_submodule(parent), child, module)
-
     def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
         classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
@@ -564,7 +560,8 @@ class _Loader:
         rows = None if shard is None else shard.channel_index
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32, rows)
-        self._replace(name, W8A8Linear(weight, scale, bias) if shard is None else shard.build(weight, scale, bias))
+        _replace_module(self.model, name,
+                        W8A8Linear(weight, scale, bias) if shard is None else shard.build(weight, scale, bias))
 
     def experts(self, name: str, module: torch.nn.Module, shard=None) -> None:
         """The experts module from its per-expert Linear layers (only the experts `shard.part` when sharded: the
@@ -598,7 +595,7 @@ class _Loader:
         w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])
         w2_scale = torch.stack([down[1] for _, _, down in loaded])
         local = W8A8Experts(w13, w13_scale, w2, w2_scale)
-        self._replace(name, local if shard is None else shard.build(local))
+        _replace_module(self.model, name, local if shard is None else shard.build(local))
 
     def remaining(self, tied: Sequence[str]) -> None:
         """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its
@@ -626,7 +623,7 @@ def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
     architecture = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     try:
         config = CONFIG_MAPPING[model_type].from_dict(architecture)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:  # transformers parsing an untrusted file
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:  # parsing an untrusted file
         raise ValueError(f"{where}: not a valid {model_type} config ({type(e).__name__}: {_echo(str(e))})") from None
     if dtype is None:
         stored = config_dict.get("dtype", config_dict.get("torch_dtype")) or "float32"
@@ -690,7 +687,7 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
         tensors = _StoredTensors(directory, stack)
         try:
             model = _empty_model(config, dtype)
-        except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
             raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
                              f"{_echo(str(e))})") from None
         shards = None if plan is None else plan(model)

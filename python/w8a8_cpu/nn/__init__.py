@@ -215,10 +215,11 @@ class W8A8Experts(_Fp32Scales):
         return fused_experts(hidden_states, self.w13_packed, self.w2_packed, top_k_weights.float(), top_k_index,
                              self.w13_scale, self.w2_scale)
 
-    def int8_weights(self):
-        """(w13 int8 [E, 2I, H], w2 int8 [E, H, I]), unpacked from the packed buffers (to save checkpoints)."""
-        return (torch.stack([unpack_weight(b) for b in self.w13_packed]),
-                torch.stack([unpack_weight(b) for b in self.w2_packed]))
+    def int8_weights(self, experts: slice = slice(None)):
+        """(w13 int8 [E, 2I, H], w2 int8 [E, H, I]) of `experts` (all by default), unpacked from the packed buffers
+        (to save checkpoints, to shard)."""
+        return (torch.stack([unpack_weight(b) for b in self.w13_packed[experts]]),
+                torch.stack([unpack_weight(b) for b in self.w2_packed[experts]]))
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
@@ -290,9 +291,14 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Mo
         replacement = (W8A8Linear.from_linear(module) if isinstance(module, torch.nn.Linear)
                        else W8A8Experts.from_experts(module))
         for name in names:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+            _replace_module(model, name, replacement)
     return model
+
+
+def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put `module` at the dotted path `name` of `model` (torch.nn.Module.set_submodule, which torch 1.13 lacks)."""
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
 __all__ = ["W8A8Linear", "W8A8MoE", "W8A8Experts", "quantize_model"]

@@ -1,5 +1,8 @@
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -56,3 +59,19 @@ def pytest_configure(config):
         "slow_under_emulation: heavy or host-compiler-dependent test, deselected by the emulated CI stage "
         "(ci/emulated-python-matrix.sh runs -m 'not slow_under_emulation')",
     )
+
+
+def communicate_all(procs, timeout_s: float, what: str):
+    """communicate() of every process (each started with start_new_session=True), within timeout_s in all. Every
+    process group still running afterwards (a timeout, a failing test) is killed and waited for; a timeout fails the
+    test naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [p.communicate(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} did not finish within {timeout_s} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import python_command, require_optional
+from conftest import communicate_all, python_command, require_optional
 
 pytestmark = pytest.mark.slow_under_emulation
 
@@ -288,18 +287,7 @@ def launch(case: str, world_size: int, tmp: Path, timeout_s: float = LAUNCH_TIME
     procs = [subprocess.Popen([*python_command(), __file__, case, str(tmp)], env={**env, "RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
              for rank in range(world_size)]
-    outputs = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{case} on {world_size} ranks did not finish within {timeout_s} s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+    outputs = [out for out, _ in communicate_all(procs, timeout_s, f"{case} on {world_size} ranks")]
     results = [torch.load(tmp / f"rank{r}.pt") if (tmp / f"rank{r}.pt").exists() else None
                for r in range(world_size)]
     return results, [p.returncode for p in procs], outputs
@@ -438,19 +426,13 @@ def _launcher_json(argv, timeout_s: float = 600) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        out = proc.communicate(timeout=timeout_s)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        pytest.fail(f"{' '.join(argv[:6])} did not finish within {timeout_s} s")
+    ((out, _),) = communicate_all([proc], timeout_s, " ".join(argv[:6]))
     assert proc.returncode == 0, out[-4000:]
     lines = [line for line in out.splitlines() if line.startswith("{")]
     assert lines, out[-4000:]
     return {"json": json.loads(lines[-1]), "out": out}
 
 
-@pytest.mark.slow_under_emulation  # two SmolLM2 jobs
 def test_torchrun_launcher_runs_the_main_job_sharded_with_the_single_process_numbers():
     from w8a8_cpu.llm import smollm2
 

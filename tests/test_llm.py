@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import w8a8_cpu
-from conftest import python_command, require_optional
+from conftest import communicate_all, python_command, require_optional
 from w8a8_cpu.llm import smollm2
 
 pytestmark = pytest.mark.slow_under_emulation
@@ -203,12 +203,9 @@ def test_concurrent_first_use_builds_the_cache_once(tmp_path):
     gguf.write_bytes(b"GGUF")
     env = {**os.environ, "W8A8_CPU_CACHE": str(tmp_path / "cache")}
     users = [subprocess.Popen([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
-    try:
-        outputs = [user.communicate(timeout=120) for user in users]
-    finally:
-        for user in users:
-            user.kill()
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+             for _ in range(3)]
+    outputs = communicate_all(users, 120, "three concurrent first uses")
     assert [user.returncode for user in users] == [0, 0, 0], outputs
     assert {out.strip() for out, _ in outputs} == {str(tmp_path / "cache" / "smollm2-135m-instruct")}
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end"]

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -405,8 +406,12 @@ def run(args, on_result: Optional[Callable[[dict], None]] = None) -> int:
     """The suite, once per --threads value. on_result(result) runs after each run's report is printed and before the
     JSON is written (benchmarks/linear.py adds the project's targets there)."""
     counts = args.threads or [None]
-    if any(t is not None and t <= 0 for t in counts):
-        print("bench: --threads values must be positive", file=sys.stderr)
+    try:
+        if any(t is not None and t <= 0 for t in counts):
+            raise ValueError("--threads values must be positive")
+        plan = _plan(args)
+    except ValueError as e:  # before the busy process and the long run
+        print(f"bench: {e}", file=sys.stderr)
         return 2
     busy = None
     if args.busy:
@@ -417,9 +422,7 @@ def run(args, on_result: Optional[Callable[[dict], None]] = None) -> int:
         for threads in counts:
             if threads:
                 torch.set_num_threads(threads)
-            code, result = run_once(args)
-            if code:
-                return code
+            result = run_once(args, plan)
             result["busy_cpu"] = cpu if busy else None
             if on_result:
                 on_result(result)
@@ -438,29 +441,38 @@ def run(args, on_result: Optional[Callable[[dict], None]] = None) -> int:
     return 0
 
 
-def run_once(args) -> "tuple[int, dict]":
-    try:
-        shapes = QUICK_SHAPES if args.quick and not args.shapes else _parse_shapes(args.shapes)
-        m_filter = _parse_ms(args.m)
-    except ValueError as e:
-        print(f"bench: {e}", file=sys.stderr)
-        return 2, {}
-    if args.plot:  # fail before the long run, not after it
+@dataclass
+class Plan:
+    """What a run measures, from the options (checked once, before any run of a --threads sweep)."""
+    linear_shapes: List[str]  # each measured at every M of ms
+    ms: List[int]
+    moe_cases: list
+    reps: int
+    warmup: int
+
+
+def _plan(args) -> Plan:
+    """The run's cases and repetitions; ValueError on a bad option (--plot without matplotlib included: it fails
+    before the long run, not after it)."""
+    shapes = QUICK_SHAPES if args.quick and not args.shapes else _parse_shapes(args.shapes)
+    m_filter = _parse_ms(args.m)
+    if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("bench: --plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)",
-                  file=sys.stderr)
-            return 2, {}
+            raise ValueError("--plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)")
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if reps <= 0 or warmup < 0:
-        print("bench: --reps must be positive and --warmup non-negative", file=sys.stderr)
-        return 2, {}
+        raise ValueError("--reps must be positive and --warmup non-negative")
     ms = m_filter or list(QUICK_M if args.quick else ALL_M)
     moe_cases = [] if args.no_moe else [c for c in (QUICK_MOE if args.quick else MOE_CASES)
                                         if m_filter is None or c[0] in m_filter]
-    linear_cases = [] if args.no_linear else [(s, m) for s in shapes for m in ms]
+    return Plan([] if args.no_linear else list(dict.fromkeys(shapes)), ms, moe_cases, reps, warmup)
+
+
+def run_once(args, plan: Plan) -> dict:
+    reps, warmup = plan.reps, plan.warmup
 
     info = w8a8_cpu.info()
     threads = torch.get_num_threads()
@@ -470,7 +482,8 @@ def run_once(args) -> "tuple[int, dict]":
           f"torch {torch.__version__}, {threads} threads, torch.ao engine {engine}")
     print(f"  median of {reps} interleaved repetitions after {warmup} warm-up call(s) per candidate; "
           f"speedup = baseline time / w8a8_cpu time")
-    progress = Progress(len(linear_cases) + len(moe_cases) + 3, enabled=not args.no_progress)
+    progress = Progress(len(plan.linear_shapes) * len(plan.ms) + len(plan.moe_cases) + 3,
+                        enabled=not args.no_progress)
     bw_mib = 64 if args.quick else 256
     read_ref = torch.ones(bw_mib * (1 << 20) // 4, dtype=torch.float32)
     read_bytes = read_ref.numel() * 4
@@ -482,21 +495,21 @@ def run_once(args) -> "tuple[int, dict]":
               "reps": reps, "warmup": warmup, "quick": bool(args.quick), "linear": [], "moe": [],
               "read_bandwidth_method": f"best of torch.sum over a {bw_mib} MiB float32 tensor"}
     linear_out: List[tuple] = []
-    for shape in dict.fromkeys(s for s, _ in linear_cases):
+    for shape in plan.linear_shapes:
         n, k = SHAPES[shape]
         make, weight_bytes = linear_candidates(n, k, gen, errors)
-        for m in ms:
+        for m in plan.ms:
             progress.step(f"linear {shape} M={m}")
             candidates, rel_errors = make(m)
             if phase_of(m) == "decode":
                 candidates[READ] = read_ref.sum
             linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes, rel_errors))
         del make
-    if linear_cases:
+    if plan.linear_shapes:
         bw_samples.append(read_bandwidth(read_ref, 3 if args.quick else 5))
     progress.step("overhead (M=1 N=K=64)")
     result["overhead_us"] = bench_overhead(reps, warmup, inner=200 if args.quick else 2000)
-    for m, e, k in moe_cases:
+    for m, e, k in plan.moe_cases:
         progress.step(f"MoE M={m} E={e} topk={k}")
         result["moe"].append(bench_moe_case(m, e, k, reps, warmup, gen))
     progress.step("done")
@@ -520,7 +533,7 @@ def run_once(args) -> "tuple[int, dict]":
         ours = c["ms"][MOE_OURS]
         print(f"MoE M={c['m']:<4} E={c['experts']:<3} topk={c['topk']} H={MOE_H} I={MOE_I} bf16: " + " | ".join(
             f"{name} {t:.2f} ms" + ("" if name == MOE_OURS else f" (x{t / ours:.2f})") for name, t in c["ms"].items()))
-    return 0, result
+    return result
 
 
 DESCRIPTION = ("Benchmark the W8A8 linear (Llama-3-8B-like shapes, decode M=1/4/16 and prefill M=128/512) against "

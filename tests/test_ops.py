@@ -244,7 +244,7 @@ def test_shared_amax_quantizes_slices_as_the_whole_row(variant, gen):
 @pytest.mark.parametrize(
     "op",
     ["per_token_quant_int8", "int8_scaled_mm", "int8_scaled_mm_with_quant", "pack_weight", "int8_mm",
-     "scale_accumulators"],
+     "scale_accumulators", "int8_gated_mm_with_quant"],
 )
 def test_opcheck(op, gen):
     w_q, w_scale = random_weight(24, 40, gen)
@@ -260,6 +260,8 @@ def test_opcheck(op, gen):
         "int8_scaled_mm_with_quant": [(x, packed, w_scale, None, None),
                                       (x.reshape(1, 5, 40).half(), w_q, w_scale, torch.randn(24), torch.float32)],
         "pack_weight": [(w_q,)],
+        "int8_gated_mm_with_quant": [(x, packed, w_scale, None, None),
+                                     (x.reshape(1, 5, 40).bfloat16(), w_q, w_scale, torch.randn(24), torch.float32)],
     }[op]
     for a in args:
         torch.library.opcheck(getattr(torch.ops.w8a8_cpu, op).default, a)
@@ -289,3 +291,60 @@ def test_unpack_weight_inverts_pack_weight(variant, n, k, gen):
         w8a8_cpu.unpack_weight(blob)
     with pytest.raises(ValueError, match="blob"):
         w8a8_cpu.unpack_weight(w)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp64 over [..., 2I] (gate half first)."""
+    g, u = gate_up.double().chunk(2, dim=-1)
+    return g * torch.sigmoid(g) * u
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 2, 1), (3, 32, 100), (17, 3072, 576), (64, 66, 4096)])
+def test_gated_mm_is_silu_of_the_fused_gemm(variant, m, n, k, gen):
+    """int8_gated_mm_with_quant: its GEMM is the plain op's over all 2I channels, and the plain op's output over all
+    channels is bit for bit the concatenation of the gate and up halves run separately (per-channel weights,
+    per-token activations); the SiLU * up on top agrees with fp64 to fp32 rounding, on every variant."""
+    w_q, w_scale = random_weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    both = w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale, bias)
+    i = n // 2
+    halves = [w8a8_cpu.int8_scaled_mm_with_quant(x, w_q[s], w_scale[s], bias[s]) for s in (slice(0, i), slice(i, n))]
+    assert torch.equal(both, torch.cat(halves, dim=1))
+    out = w8a8_cpu.int8_gated_mm_with_quant(x, w8a8_cpu.pack_weight(w_q), w_scale, bias)
+    assert out.shape == (m, i) and out.dtype == torch.float32
+    ideal = silu_mul_reference(both)
+    torch.testing.assert_close(out.double(), ideal, rtol=2e-6, atol=1e-6 * float(ideal.abs().max()))
+    out_bf16 = w8a8_cpu.int8_gated_mm_with_quant(x.bfloat16(), w_q, w_scale, bias, torch.bfloat16)
+    assert out_bf16.dtype == torch.bfloat16
+
+
+def test_gated_mm_bit_identical_across_variants_and_threads(gen):
+    w_q, w_scale = random_weight(192, 300, gen)
+    x = torch.randn(37, 300, generator=gen)
+    with w8a8_cpu.use_variant("ref"):
+        expected = w8a8_cpu.int8_gated_mm_with_quant(x, w_q, w_scale)
+    threads = torch.get_num_threads()
+    try:
+        for variant in w8a8_cpu.info()["runnable_variants"]:
+            for t in {1, 2, threads}:
+                torch.set_num_threads(t)
+                with w8a8_cpu.use_variant(variant):
+                    assert torch.equal(w8a8_cpu.int8_gated_mm_with_quant(x, w_q, w_scale), expected), (variant, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gated_mm_rejects_odd_channels(gen):
+    w_q, w_scale = random_weight(5, 8, gen)
+    with pytest.raises(ValueError, match="even number of output channels"):
+        w8a8_cpu.int8_gated_mm_with_quant(torch.randn(2, 8), w_q, w_scale)
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (33, 100), (100, 7)])
+def test_packed_rows_gathers_the_weight_rows(variant, n, k, gen):
+    w_q, _ = random_weight(n, k, gen)
+    rows = torch.randint(0, n, (3, 5), generator=gen)
+    assert torch.equal(w8a8_cpu.packed_rows(w8a8_cpu.pack_weight(w_q), rows), w_q[rows])
+    with pytest.raises(IndexError, match=rf"\[0, {n}\)"):
+        w8a8_cpu.packed_rows(w8a8_cpu.pack_weight(w_q), torch.tensor([n]))

@@ -84,6 +84,26 @@ int64_t first_bad_row(const std::atomic<int64_t>& first_bad, int64_t m) {
   return bad < m ? bad : -1;
 }
 
+// exp(x) for x in [-87, 88] without a library call, so the loop below vectorizes with the baseline ISA:
+// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (rel. error < 2e-7), 2^n via the exponent bits.
+// n is rounded by adding and subtracting 1.5 * 2^23 (plain IEEE adds, no rounding instruction needed).
+inline float exp_poly(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 // Rows per claim of the row passes (quantize, pack): about 64 KiB of input each; below that, one claim (no region).
 int64_t rows_per_claim(int64_t k) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(k, 1)); }
 
@@ -218,6 +238,39 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   o.a_scales = a_scales_out;
   gemm_packed(kernel, a_packed, a_stride, m, w, o, parallel_for);
   return first_bad_row(first_bad, m);
+}
+
+void silu_mul(float* gate, const float* up, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
+}
+
+int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n) {
+  return round_up(m * n * 4, kAlign) + linear_scratch_nbytes(kernel, m, k, k_padded);
+}
+
+int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+                     const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out,
+                     void* scratch, const ParallelFor& parallel_for) {
+  const int64_t n = w.header.n, inter = n / 2;
+  if (n % 2 != 0)
+    throw std::invalid_argument("w: a gated linear needs an even number of output channels (gate rows, then up "
+                                "rows), got " + std::to_string(n));
+  // The GEMM writes both halves in fp32 (the epilogue of linear(), so gate and up are bit for bit the outputs of
+  // separate layers), then one pass per row applies silu(gate) * up and casts once to the output type.
+  auto* gate_up = static_cast<float*>(scratch);
+  GemmOutput both = o;
+  both.out = gate_up, both.out_kind = FloatKind::f32, both.ldo = n, both.raw_int32 = false;
+  const int64_t bad = linear(kernel, x, kind, m, ldx, row_amax, w, both, a_scales_out,
+                             static_cast<uint8_t*>(scratch) + round_up(m * n * 4, kAlign), parallel_for);
+  dynamic_for(m, rows_per_claim(inter), parallel_for, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = gate_up + r * n;
+      silu_mul(row, row + inter, inter);
+      store_row_from_float(static_cast<char*>(o.out) + r * o.ldo * element_bytes(o.out_kind), o.out_kind, row,
+                           inter);
+    }
+  });
+  return bad;
 }
 
 }  // namespace w8a8_cpu

@@ -85,4 +85,17 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
                const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
                const ParallelFor& parallel_for);
 
+// silu(gate) * up for n elements, in place into gate, in a fixed operation order (a polynomial exp, no library call):
+// every variant, the fused MoE and gated_linear agree bit for bit.
+void silu_mul(float* gate, const float* up, int64_t n);
+
+// The gated linear layer (SwiGLU MLPs' gate/up projection as one GEMM): w holds 2I channels, gate rows [0, I) then up
+// rows [I, 2I); out[r, j] = silu(g[r, j]) * u[r, j] where g and u are linear()'s fp32 outputs of those channels, cast
+// once to o.out_kind (o.out [m, I], rows o.ldo apart; o.w_scales and o.bias cover all 2I channels). One activation
+// quantization, one GEMM. Returns the first non-finite row or -1 (quantize_rows).
+int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n);
+int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+                     const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out,
+                     void* scratch, const ParallelFor& parallel_for);
+
 }  // namespace w8a8_cpu

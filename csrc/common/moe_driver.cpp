@@ -10,25 +10,6 @@
 namespace w8a8_cpu {
 namespace {
 
-// exp(x) for x in [-87, 88] without a library call, so the loop below vectorizes with the baseline ISA:
-// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (rel. error < 2e-7), 2^n via the exponent bits.
-// n is rounded by adding and subtracting 1.5 * 2^23 (plain IEEE adds, no rounding instruction needed).
-inline float exp_poly(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 struct Layout {  // byte offsets of the scratch regions
   int64_t order, hq, hs, a1, s1, gate_up, aq, s2, a2, down, total;
@@ -82,10 +63,6 @@ void throw_non_finite(int64_t row, const char* what) {
 }
 
 }  // namespace
-
-void silu_mul(float* gate, const float* up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
-}
 
 int64_t moe_scratch_nbytes(const MicroKernel& kernel, const MoeProblem& p) { return scratch_layout(kernel, p).total; }
 

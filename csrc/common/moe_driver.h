@@ -36,7 +36,4 @@ int64_t moe_scratch_nbytes(const MicroKernel& kernel, const MoeProblem& p);
 // output row NaN (quantize_rows), or throws std::invalid_argument when p.reject_non_finite; out-of-range ids throw.
 void fused_experts(const MicroKernel& kernel, const MoeProblem& p, void* scratch, const ParallelFor& parallel_for);
 
-// silu(gate) * up for n elements, in place into gate. Shared by the driver and the tests.
-void silu_mul(float* gate, const float* up, int64_t n);
-
 }  // namespace w8a8_cpu

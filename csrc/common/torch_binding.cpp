@@ -376,36 +376,54 @@ at::Tensor int8_scaled_mm_op(const at::Tensor& x_q, const at::Tensor& w, const a
   return scaled_mm(x_q, xs, WeightOperand(w, x_q.size(1), w_scale, bias), out_dtype.value_or(at::kFloat));
 }
 
-at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                                        const c10::optional<at::Tensor>& bias,
-                                        c10::optional<at::ScalarType> out_dtype, const c10::optional<at::Tensor>& amax) {
+// The fused linear ops: per-token quantization of x [..., K] and one GEMM with the weight; gated (SwiGLU's gate/up
+// projection, w holding gate rows then up rows): silu(gate) * up, [..., N / 2].
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                            const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype,
+                            const c10::optional<at::Tensor>& amax, bool gated) {
   const at::Tensor rows = activation_rows(x);
   const FloatKind kind = float_kind(rows.scalar_type(), "x");
   const at::ScalarType dtype = out_dtype.value_or(x.scalar_type());
   const FloatKind out_kind = float_kind(dtype, "out_dtype");
   const MicroKernel& kernel = active_kernel();
   const WeightOperand weight(w, rows.size(1), w_scale, bias);
-  const int64_t m = rows.size(0), n = weight.n();
+  const int64_t m = rows.size(0);
+  TORCH_CHECK_VALUE(!gated || weight.n() % 2 == 0, "w: the gated linear needs an even number of output channels "
+                    "(gate rows, then up rows), got N = ", weight.n());
+  const int64_t n = gated ? weight.n() / 2 : weight.n();
   const at::Tensor row_amax = checked_amax(amax, m);
   auto out = at::empty({m, n}, rows.options().dtype(dtype));
   if (m > 0) {
-    // Scratch: the per-row scales (a whole number of cache lines), then linear()'s.
+    // Scratch: the per-row scales (a whole number of cache lines), then the driver's.
     const int64_t scales_bytes = round_up(4 * m, 64);
     const PackedWeightHeader& shape = weight.view.header;
-    const at::Tensor scratch =
-        scratch_buffer(scales_bytes + linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded));
+    const int64_t driver_bytes = gated ? gated_linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded, shape.n)
+                                       : linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded);
+    const at::Tensor scratch = scratch_buffer(scales_bytes + driver_bytes);
     auto* base = static_cast<uint8_t*>(scratch.data_ptr());
     const int64_t bad = as_value_errors([&] {
-      return linear(kernel, rows.data_ptr(), kind, m, rows.stride(0),
-                    row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, weight.view,
-                    epilogue(nullptr, weight.scales, weight.bias, out, out_kind), reinterpret_cast<float*>(base),
-                    base + scales_bytes, kTorchParallelFor);
+      const auto run = gated ? gated_linear : linear;
+      return run(kernel, rows.data_ptr(), kind, m, rows.stride(0),
+                 row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, weight.view,
+                 epilogue(nullptr, weight.scales, weight.bias, out, out_kind), reinterpret_cast<float*>(base),
+                 base + scales_bytes, kTorchParallelFor);
     });
     check_finite_rows(bad, "x");
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return out.view(shape);
+}
+
+at::Tensor int8_scaled_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                                        const c10::optional<at::Tensor>& bias,
+                                        c10::optional<at::ScalarType> out_dtype, const c10::optional<at::Tensor>& amax) {
+  return quantized_linear(x, w, w_scale, bias, out_dtype, amax, false);
+}
+
+at::Tensor int8_gated_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                                       const c10::optional<at::Tensor>& bias, c10::optional<at::ScalarType> out_dtype) {
+  return quantized_linear(x, w, w_scale, bias, out_dtype, c10::nullopt, true);
 }
 
 // Per-expert packed views of an MoE weight: raw int8 [E, n, k] (packed here into `storage` for this call)
@@ -561,6 +579,9 @@ TORCH_LIBRARY(w8a8_cpu, m) {
   m.def(
       "int8_scaled_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, "
       "ScalarType? out_dtype=None, Tensor? amax=None) -> Tensor");
+  m.def(
+      "int8_gated_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) "
+      "-> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def(
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
@@ -576,6 +597,7 @@ TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("scale_accumulators", &w8a8_cpu::scale_accumulators_op);
   m.impl("int8_scaled_mm", &w8a8_cpu::int8_scaled_mm_op);
   m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
+  m.impl("int8_gated_mm_with_quant", &w8a8_cpu::int8_gated_mm_with_quant_op);
   m.impl("pack_weight", &w8a8_cpu::pack_weight_op);
   m.impl("fused_experts", &w8a8_cpu::fused_experts_op);
   m.impl("_verify_packed_weight", &w8a8_cpu::verify_packed_weight_op);

@@ -215,6 +215,17 @@ def register() -> None:
         n = _scaled_mm_columns(x.shape[-1], w, w_scale, bias, out_dtype)
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype)
 
+    @register_fake("w8a8_cpu::int8_gated_mm_with_quant")
+    def _int8_gated_mm_with_quant(x, w, w_scale, bias=None, out_dtype=None):
+        _check_same_device(x, w=w, w_scale=w_scale, bias=bias)
+        _check_activation_rows(x)
+        out_dtype = out_dtype or x.dtype
+        n = _scaled_mm_columns(x.shape[-1], w, w_scale, bias, out_dtype)
+        if n % 2:
+            raise ValueError(f"w: the gated linear needs an even number of output channels (gate rows, then up rows), "
+                             f"got N = {n}")
+        return x.new_empty((*x.shape[:-1], n // 2), dtype=out_dtype)
+
     @register_fake("w8a8_cpu::fused_experts")
     def _fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, activation="silu",
                        apply_router_weight_on_input=False):

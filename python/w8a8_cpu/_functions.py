@@ -102,6 +102,22 @@ def int8_scaled_mm_with_quant(
     return ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype, amax)
 
 
+def int8_gated_mm_with_quant(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """A SwiGLU MLP's gate and up projections as one op: w holds 2I output channels, the gate's rows then the up's
+    (int8 [2I, K] or packed), w_scale fp32 [2I], bias [2I] or None. x [..., K] is quantized per token once, one GEMM
+    gives gate and up exactly as int8_scaled_mm_with_quant would for each half (bit for bit), then
+    silu(gate) * up in fp32 (the fused MoE's SiLU, identical on every variant), cast once -> [..., I] in out_dtype
+    (default x.dtype). No gradient: backward through it raises."""
+    _require_tensors(x=x, w=w, w_scale=w_scale)
+    return ops.int8_gated_mm_with_quant(x, w, w_scale, bias, out_dtype)
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """Reorder an int8 [N, K] weight once into the layout the active variant reads fastest.
 
@@ -111,22 +127,47 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return ops.pack_weight(w)
 
 
+def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tensor, int, int]:
+    """(panels int8 [N_padded / nr, K_padded / kr, nr, kr], n, k) of a blob, after verifying it as the ops do
+    (header bounds, checksum, channel sums; a bad one raises ValueError): panel[k / kr][n % nr][k % kr]."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"{arg}: expected the 1-D uint8 output of pack_weight, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
+    nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
+    panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
+    return panels.view(n_padded // nr, k_padded // kr, nr, kr), n, k
+
+
 def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_weight: a packed 1-D uint8 blob -> the int8 [N, K] weight it was packed from.
 
     Reads the blob's own layout (any variant's), so weights packed here can be saved in a portable format. The blob
     is first verified exactly as the ops verify it (header bounds, checksum, channel sums); a bad one raises
     ValueError."""
-    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
-        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
-                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
-    raw = blob.detach().contiguous()
-    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
-    nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
-    # panel[k / kr][n % nr][k % kr] per panel of nr channels
-    w = panels.reshape(n_padded // nr, k_padded // kr, nr, kr).permute(0, 2, 1, 3).reshape(n_padded, k_padded)
-    return w[:n, :k].contiguous()
+    panels, n, k = _verified_panels(blob)
+    p, groups, nr, kr = panels.shape
+    return panels.permute(0, 2, 1, 3).reshape(p * nr, groups * kr)[:n, :k].contiguous()
+
+
+def _gather_rows(panels: torch.Tensor, n: int, k: int, rows: torch.Tensor, arg: str) -> torch.Tensor:
+    """Rows `rows` (int64, any shape, checked against [0, n): IndexError naming `arg`) of the int8 [n, k] weight whose
+    verified panels _verified_panels gave -> int8 [*rows.shape, k]."""
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        raise IndexError(f"{arg}: indices must be in [0, {n}), got [{int(rows.min())}, {int(rows.max())}]")
+    nr = panels.shape[2]
+    picked = panels[rows // nr, :, rows % nr, :]  # [*rows.shape, K_padded / kr, kr]
+    return picked.reshape(*rows.shape, -1)[..., :k]
+
+
+def packed_rows(blob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the int8 [N, K] weight a packed blob holds, gathered without unpacking the rest: int64 `rows` of any
+    shape -> int8 [*rows.shape, K] (an int8 embedding table that is also the packed lm_head reads token rows so).
+    Indices are checked against [0, N) (IndexError otherwise); the blob is verified as in unpack_weight."""
+    _require_tensors(rows=rows)
+    panels, n, k = _verified_panels(blob)
+    return _gather_rows(panels, n, k, rows, "rows")
 
 
 def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

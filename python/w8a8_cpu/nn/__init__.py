@@ -8,8 +8,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
-from .._functions import (fused_experts, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight,
-                          quantize_weight, unpack_weight)
+from .._functions import (_gather_rows, _verified_panels, fused_experts, int8_scaled_mm_with_quant, pack_moe_weights,
+                          pack_weight, quantize_weight, unpack_weight)
 from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
@@ -84,14 +84,8 @@ class W8A8Linear(_Fp32Scales):
         super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tracked = [t for t in (x, self.w_scale, self.bias) if isinstance(t, torch.Tensor) and t.requires_grad]
-        # Older torch (no Python autograd kernels, _autograd.AVAILABLE false) needs no detour, and its
-        # _AutoDispatchBelowAutograd is no context manager.
-        if _autograd.AVAILABLE and isinstance(x, torch.Tensor) and not (torch.is_grad_enabled() and tracked) \
-                and not _is_compiling():
-            # No gradient wanted (e.g. generation under no_grad): go below the Python autograd kernel, which costs
-            # ~8 us per call there (a decoder LLM makes ~200 such calls per token). The op validates its inputs.
-            with torch._C._AutoDispatchBelowAutograd():
+        if _below_autograd(x, self.w_scale, self.bias):
+            with torch._C._AutoDispatchBelowAutograd():  # the op validates its inputs
                 return _ops.int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias, None)
         return int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias)
 
@@ -101,6 +95,166 @@ class W8A8Linear(_Fp32Scales):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _below_autograd(x: torch.Tensor, *tracked) -> bool:
+    """Whether a forward may call the op below the Python autograd kernel (~8 us per call there; a decoder LLM makes
+    ~200 such calls per token): no gradient wanted and not tracing. Older torch (no Python autograd kernels,
+    _autograd.AVAILABLE false) needs no detour, and its _AutoDispatchBelowAutograd is no context manager."""
+    wanted = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *tracked))
+    return _autograd.AVAILABLE and isinstance(x, torch.Tensor) and not wanted and not _is_compiling()
+
+
+class W8A8LinearSlice(torch.nn.Module):
+    """Output channels [begin, end) of a W8A8Linear shared by several slices: q_proj, k_proj and v_proj of one
+    attention layer as one GEMM over their concatenated channels (fuse_projections). Called with the same input
+    tensor as the previous slice of its layer (the same object, unmodified: its version counter is unchanged), it
+    returns its part of that call's output instead of running the GEMM again. Inference tensors have no version
+    counter: for them the slices rely on what attention modules do, no in-place edit of the input between the q, k
+    and v calls of one layer. Per-channel weights and per-token
+    activations make the concatenation exact: each slice returns the bits its own W8A8Linear would.
+
+    The last input and output of the shared layer are held until the next call (one entry, replaced atomically, so
+    concurrent callers with other inputs only recompute). Under torch.compile every slice runs the GEMM itself."""
+
+    def __init__(self, fused: W8A8Linear, begin: int, end: int, shared_cache: list):
+        super().__init__()
+        if not 0 <= begin < end <= fused.out_features:
+            raise ValueError(f"begin, end: [{begin}, {end}) is not a channel range of a layer with "
+                             f"{fused.out_features} output channels")
+        self.fused, self.begin, self.end = fused, begin, end
+        self.in_features, self.out_features = fused.in_features, end - begin
+        self._cache = shared_cache  # [(input, its version, output)] or [], shared by the slices of one layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_compiling() or (torch.is_grad_enabled() and x.requires_grad):
+            return self.fused(x)[..., self.begin:self.end]
+        version = None if x.is_inference() else x._version
+        entry = self._cache[0] if self._cache else None
+        if entry is None or entry[0] is not x or entry[1] != version:
+            entry = (x, version, self.fused(x))
+            self._cache[:] = [entry]
+        return entry[2][..., self.begin:self.end]
+
+    @property
+    def w_scale(self) -> torch.Tensor:
+        return self.fused.w_scale[self.begin:self.end]
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return None if self.fused.bias is None else self.fused.bias[self.begin:self.end]
+
+    def int8_weight(self) -> torch.Tensor:
+        """This slice's int8 [end - begin, K] weight (to save checkpoints with the unfused layer names)."""
+        return self.fused.int8_weight()[self.begin:self.end]
+
+    def extra_repr(self) -> str:
+        return f"channels [{self.begin}, {self.end}) of a fused {self.fused.out_features}-channel W8A8Linear"
+
+
+class W8A8GatedMLP(_Fp32Scales):
+    """A SwiGLU MLP (down(silu(gate(x)) * up(x)): Llama, Mistral, Qwen, ...) with the gate and up projections as one
+    W8A8 GEMM, SiLU-and-multiply fused after its epilogue (int8_gated_mm_with_quant), then the W8A8 down projection.
+    gate and up are bit for bit what separate W8A8Linear layers give; the SiLU is the fused MoE's (within a few ulp of
+    torch's), so outputs differ from the unfused module in the last bits of the activation."""
+
+    _fp32_buffers = ("gate_up_scale",)
+
+    def __init__(self, gate_up_q: torch.Tensor, gate_up_scale: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
+                 down_proj: W8A8Linear):
+        super().__init__()
+        if gate_up_q.dtype != torch.int8 or gate_up_q.dim() != 2 or gate_up_q.shape[0] % 2:
+            raise ValueError(f"gate_up_q: expected int8 [2I, H] (gate rows, then up rows), got {gate_up_q.dtype} "
+                             f"{tuple(gate_up_q.shape)}")
+        self.intermediate_size, self.hidden_size = gate_up_q.shape[0] // 2, gate_up_q.shape[1]
+        if down_proj.in_features != self.intermediate_size:
+            raise ValueError(f"down_proj: expects {down_proj.in_features} input features, the gate/up projection gives "
+                             f"{self.intermediate_size}")
+        self.register_buffer("gate_up_packed", pack_weight(gate_up_q.contiguous()))
+        self.register_buffer("gate_up_scale", _finite_fp32(gate_up_scale, "gate_up_scale").reshape(-1))
+        self.register_buffer("gate_up_bias", None if gate_up_bias is None else _finite_fp32(gate_up_bias,
+                                                                                            "gate_up_bias"))
+        self.down_proj = down_proj
+
+    @classmethod
+    def from_mlp(cls, mlp: torch.nn.Module) -> "W8A8GatedMLP":
+        """From a module with gate_proj / up_proj / down_proj (nn.Linear or W8A8Linear) and a SiLU act_fn."""
+        parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, (torch.nn.Linear, W8A8Linear)) for p in parts) or not is_silu(
+                getattr(mlp, "act_fn", None) or (lambda t: t)):
+            raise ValueError(f"mlp: {type(mlp).__name__} is not a SiLU-gated MLP with gate_proj / up_proj / down_proj")
+        gate, up, down = (p if isinstance(p, W8A8Linear) else W8A8Linear.from_linear(p) for p in parts)
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("mlp: gate_proj and up_proj must both have a bias or neither")
+        bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
+        return cls(torch.cat([gate.int8_weight(), up.int8_weight()]), torch.cat([gate.w_scale, up.w_scale]), bias,
+                   down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _below_autograd(x):
+            with torch._C._AutoDispatchBelowAutograd():
+                act = _ops.int8_gated_mm_with_quant(x, self.gate_up_packed, self.gate_up_scale, self.gate_up_bias,
+                                                    None)
+        else:
+            act = _ops.int8_gated_mm_with_quant(x, self.gate_up_packed, self.gate_up_scale, self.gate_up_bias, None)
+        return self.down_proj(act)
+
+    def projections(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
+        """{"gate_proj" | "up_proj": (int8 weight [I, H], w_scale [I], bias or None)}: the unfused layers, for
+        checkpoints that keep the per-layer names."""
+        w, i = unpack_weight(self.gate_up_packed), self.intermediate_size
+        b = self.gate_up_bias
+        return {"gate_proj": (w[:i], self.gate_up_scale[:i], None if b is None else b[:i]),
+                "up_proj": (w[i:], self.gate_up_scale[i:], None if b is None else b[i:])}
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gate/up fused"
+
+
+class W8A8Embedding(_Fp32Scales):
+    """A token embedding held as an int8 [V, H] table with one fp32 scale per row (per-row symmetric, the weights'
+    rounding rule), read by gathering rows and dequantizing (int8 * scale, fp32, cast to `dtype`).
+
+    The table is a packed weight blob, so the same tensors can also serve a W8A8Linear lm_head tied to this
+    embedding (quantize_model(..., quantize_embedding=True)): the model holds one int8 copy for both."""
+
+    _fp32_buffers = ("w_scale",)
+
+    def __init__(self, weight_packed: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        panels, self.num_embeddings, self.embedding_dim = _verified_panels(weight_packed, "weight_packed")
+        self.register_buffer("weight_packed", weight_packed)
+        self.register_buffer("w_scale", _finite_fp32(w_scale, "w_scale").reshape(-1))
+        if self.w_scale.numel() != self.num_embeddings:
+            raise ValueError(f"w_scale: expected {self.num_embeddings} row scales, got {self.w_scale.numel()}")
+        self.dtype = dtype
+        self._panels = (weight_packed, panels)  # the checked view of the blob it was made from
+
+    @classmethod
+    def from_embedding(cls, embedding: torch.nn.Embedding) -> "W8A8Embedding":
+        w_q, w_scale = quantize_weight(embedding.weight)
+        return cls(pack_weight(w_q), w_scale, embedding.weight.dtype)
+
+    @classmethod
+    def sharing(cls, lm_head: W8A8Linear, dtype: torch.dtype) -> "W8A8Embedding":
+        """The embedding read from a W8A8Linear's own int8 weight and scales (one copy for both)."""
+        if lm_head.bias is not None:
+            raise ValueError("lm_head: a layer with a bias cannot double as an embedding table")
+        embedding = cls(lm_head.weight_packed, lm_head.w_scale, dtype)
+        embedding.w_scale = lm_head.w_scale  # the same tensor, not a checked copy of it: one table, one set of scales
+        return embedding
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _ops._verify_packed_weight(self.weight_packed)  # cached per tensor version, as the GEMM ops do
+        blob, panels = self._panels
+        if blob is not self.weight_packed:  # replaced since (load_state_dict, to()): check the new blob
+            panels = _verified_panels(self.weight_packed, "weight_packed")[0]
+            self._panels = (self.weight_packed, panels)
+        rows = _gather_rows(panels, self.num_embeddings, self.embedding_dim, ids, "ids")
+        return (rows * self.w_scale[ids].unsqueeze(-1)).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows, dtype={self.dtype}"
 
 
 class W8A8MoE(_Fp32Scales):
@@ -256,22 +410,32 @@ def _tied_elsewhere(holders: Dict[int, List[str]], names: List[str],
             for other in holders[id(p)] if other not in own]
 
 
-def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Module:
+def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
+                   fuse: bool = False) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.
 
+    quantize_embedding: also hold the input token embedding (model.get_input_embeddings(), a transformers model's)
+    as an int8 table with per-row scales (W8A8Embedding). When the output layer is tied to it and not skipped, both
+    share one int8 table: the lm_head GEMM and the embedding lookup read the same tensors, one copy.
+
+    fuse: also fuse each attention layer's q_proj / k_proj / v_proj into one GEMM (W8A8LinearSlice) and each SwiGLU
+    MLP's gate_proj / up_proj into one GEMM with SiLU-and-multiply after it (W8A8GatedMLP); see fuse_projections.
+
     A module used at several places (one nn.Linear instance applied twice) is quantized once and the same
     replacement is installed at every place, so they stay shared; it is kept float if any of its names is skipped.
     A parameter tied to another module's (a transformers lm_head whose weight is the input embedding's, with
-    tie_word_embeddings) cannot stay tied to an int8 copy: quantizing that layer unties them, with a warning; the
-    other module (the embedding) keeps the float tensor unchanged. Skip the layer (skip=["lm_head"]) to keep the tie.
-    Once untied, model.get_output_embeddings() returns the W8A8Linear, which has no float `weight`: reading it
-    raises AttributeError and assigning one (model.tie_weights(), resize_token_embeddings) raises ValueError."""
+    tie_word_embeddings) cannot stay tied to an int8 copy: without quantize_embedding, quantizing that layer unties
+    them, with a warning; the other module (the embedding) keeps the float tensor unchanged. Skip the layer
+    (skip=["lm_head"]) to keep the float tie. Once quantized, model.get_output_embeddings() returns the W8A8Linear,
+    which has no float `weight`: reading it raises AttributeError and assigning one (model.tie_weights(),
+    resize_token_embeddings) raises ValueError."""
     if isinstance(skip, str):
         skip = [skip]
+    embedding = _input_embedding(model) if quantize_embedding else None
     places: Dict[torch.nn.Module, List[str]] = {}  # module -> every name it is used under (modules hash by identity)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None:
@@ -279,20 +443,71 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None) -> torch.nn.Mo
     holders: Dict[int, List[str]] = {}
     for name, p in _all_named_parameters(model):
         holders.setdefault(id(p), []).append(name)
+    shares_embedding = None  # the W8A8Linear tied to the embedding, which the int8 embedding reads
     for module, names in places.items():
         if any(_skipped(skip, name, module) for name in names):
             continue
         if "" in names:
             raise ValueError("model: is itself a Linear / experts module; use W8A8Linear.from_linear or "
                              "W8A8Experts.from_experts instead")
+        tied_to_embedding = embedding is not None and getattr(module, "weight", None) is embedding.weight
         for tied, other in _tied_elsewhere(holders, names, module):
-            warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets an "
-                          f"int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie.", stacklevel=2)
+            if not tied_to_embedding:
+                warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets "
+                              f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
+                              f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
         replacement = (W8A8Linear.from_linear(module) if isinstance(module, torch.nn.Linear)
                        else W8A8Experts.from_experts(module))
+        if tied_to_embedding:
+            shares_embedding = replacement
         for name in names:
             _replace_module(model, name, replacement)
+    if embedding is not None:
+        model.set_input_embeddings(W8A8Embedding.sharing(shares_embedding, embedding.weight.dtype)
+                                   if shares_embedding is not None else W8A8Embedding.from_embedding(embedding))
+    if fuse:
+        fuse_projections(model)
     return model
+
+
+def _input_embedding(model: torch.nn.Module) -> torch.nn.Embedding:
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if not isinstance(embedding, torch.nn.Embedding) or not hasattr(model, "set_input_embeddings"):
+        raise ValueError(f"quantize_embedding: {type(model).__name__} has no nn.Embedding input embedding "
+                         f"(get_input_embeddings / set_input_embeddings, as transformers models have)")
+    return embedding
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def fuse_projections(model: torch.nn.Module) -> Dict[str, List[str]]:
+    """Fuse the projections that read the same input into one W8A8 GEMM each, in place: every module whose q_proj,
+    k_proj and v_proj are W8A8Linear layers of one input size (attention) gets W8A8LinearSlice views of one W8A8Linear
+    over their concatenated output channels (one activation quantization, one weight stream); every SiLU-gated MLP
+    with W8A8Linear gate_proj / up_proj / down_proj becomes a W8A8GatedMLP. The q, k, v, gate and up outputs are bit
+    for bit those of the separate layers (per-channel weights, per-token activations); only the SiLU differs from
+    torch's in the last bits. Returns {"attention": [names], "mlp": [names]} of what was fused."""
+    fused: Dict[str, List[str]] = {"attention": [], "mlp": []}
+    for name, module in list(model.named_modules()):
+        parts = [getattr(module, p, None) for p in _QKV]
+        if all(isinstance(p, W8A8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 \
+                and len({p.bias is None for p in parts}) == 1:
+            has_bias = parts[0].bias is not None
+            whole = W8A8Linear(torch.cat([p.int8_weight() for p in parts]), torch.cat([p.w_scale for p in parts]),
+                               torch.cat([p.bias for p in parts]) if has_bias else None)
+            cache: list = []
+            begin = 0
+            for pname, p in zip(_QKV, parts):
+                setattr(module, pname, W8A8LinearSlice(whole, begin, begin + p.out_features, cache))
+                begin += p.out_features
+            fused["attention"].append(name)
+        elif all(isinstance(getattr(module, p, None), W8A8Linear) for p in ("gate_proj", "up_proj", "down_proj")) \
+                and callable(getattr(module, "act_fn", None)) and is_silu(module.act_fn) and name:
+            _replace_module(model, name, W8A8GatedMLP.from_mlp(module))
+            fused["mlp"].append(name)
+    return fused
 
 
 def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -301,4 +516,5 @@ def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) 
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-__all__ = ["W8A8Linear", "W8A8MoE", "W8A8Experts", "quantize_model"]
+__all__ = ["W8A8Linear", "W8A8LinearSlice", "W8A8GatedMLP", "W8A8Embedding", "W8A8MoE", "W8A8Experts",
+           "quantize_model", "fuse_projections"]

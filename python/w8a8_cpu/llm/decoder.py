@@ -1,0 +1,162 @@
+"""A lean decode loop for Llama-family decoder LLMs: greedy generation without transformers' per-step machinery.
+
+A 135M-parameter model reads ~130 MB of int8 weights per token, ~8 ms at memory speed; transformers' generate adds
+several milliseconds of Python per token on top (module calls, cache objects, mask building, logits processors), so
+a small model's decode rate is set by that overhead, not by the kernels. Decoder runs the same layers of the same
+model object (its W8A8 linears, norms' weights, rotary tables, embedding and lm_head) in one flat loop: a static KV
+cache allocated once, rotary cos/sin computed once for every position, the fused q/k/v and gate/up GEMMs of
+fuse_projections, and the lm_head on the last position only. It is an inference path, not a new model: every
+weight is the model's own, and its logits follow the model's (tests compare them over a text: perplexity and top-1
+agreement, the statistical gate a whole W8A8 model needs; greedy tokens follow the model's own argmax).
+
+Supported: transformers models whose config.model_type is in SUPPORTED (pre-norm decoder layers with RMSNorm, rotary
+attention with grouped KV heads, a SiLU-gated MLP, no sliding window). Anything else raises ValueError naming what is
+missing; use model.generate for those."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+from ..nn import W8A8GatedMLP, W8A8Linear, W8A8LinearSlice
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+def _rms_norm(module: torch.nn.Module, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The norm as one fused op: x * rsqrt(mean(x^2) + eps) * weight (transformers' RMSNorm, computed in one kernel;
+    it differs from the module's four ops in the last bits only)."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float) or \
+            not type(module).__name__.endswith("RMSNorm"):
+        raise ValueError(f"{where}: expected an RMSNorm (weight, variance_epsilon), got {type(module).__name__}")
+    shape = (weight.numel(),)
+    return lambda x: torch.nn.functional.rms_norm(x, shape, weight, eps)
+
+
+class _Layer:
+    """One decoder layer's parts as plain callables and shapes."""
+
+    def __init__(self, layer: torch.nn.Module, index: int, config):
+        where = f"model.layers.{index}"
+        attn = layer.self_attn
+        self.input_norm = _rms_norm(layer.input_layernorm, f"{where}.input_layernorm")
+        self.post_norm = _rms_norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm")
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        if isinstance(q, W8A8LinearSlice) and k.fused is q.fused and v.fused is q.fused and q.begin == 0:
+            self.qkv = q.fused  # one GEMM for the three (fuse_projections)
+        else:
+            self.qkv = lambda x: torch.cat([q(x), k(x), v(x)], dim=-1)
+        self.o_proj = attn.o_proj
+        self.mlp = layer.mlp
+        self.scaling = float(attn.scaling)
+        self.head_dim = int(attn.head_dim)
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+
+
+class Decoder:
+    """Greedy decoding and prefill of a Llama-family transformers model (W8A8 or float) in a flat loop with a static
+    KV cache. decoder.greedy(prompt_ids, n) -> n token ids; decoder.prefill(ids) -> the last position's logits."""
+
+    def __init__(self, model: torch.nn.Module):
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED:
+            raise ValueError(f"model: Decoder supports transformers models of type {', '.join(SUPPORTED)}, got "
+                             f"{model_type!r}; use model.generate for it")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ValueError(f"model: sliding-window attention (sliding_window={config.sliding_window}) is not "
+                             f"supported by Decoder; use model.generate")
+        inner = model.model
+        self.config = config
+        self.embed = inner.embed_tokens
+        self.layers = [_Layer(layer, i, config) for i, layer in enumerate(inner.layers)]
+        self.norm = _rms_norm(inner.norm, "model.norm")
+        self.lm_head = model.lm_head
+        self.rotary = inner.rotary_emb
+        self.dtype = next(iter(inner.layers[0].input_layernorm.parameters())).dtype
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self._cache_len = 0
+
+    def _allocate(self, length: int) -> None:
+        """KV cache and rotary tables for `length` positions (kept and reused while large enough)."""
+        if self.max_positions and length > self.max_positions:
+            raise ValueError(f"length: {length} positions exceed the model's max_position_embeddings "
+                             f"{self.max_positions}")
+        if length <= self._cache_len:
+            return
+        first = self.layers[0]
+        self.k_cache = [torch.zeros(1, l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+        self.v_cache = [torch.zeros(1, l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+        probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
+        cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
+        self.cos, self.sin = cos[0], sin[0]  # [length, head_dim]
+        self._cache_len = length
+
+    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Positions start .. start + T - 1 of ids [T] through the model (their K/V written to the cache); returns the
+        last position's logits [vocab]. start == 0 (a prompt) or T == 1 (a decode step)."""
+        t = ids.numel()
+        h = self.embed(ids.view(1, t))  # [1, T, H]
+        cos = self.cos[start:start + t].view(1, t, 1, -1)
+        sin = self.sin[start:start + t].view(1, t, 1, -1)
+        end = start + t
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            d, nq, nkv = layer.head_dim, layer.heads, layer.kv_heads
+            qkv = layer.qkv(layer.input_norm(h))  # [1, T, (nq + 2 nkv) d]
+            qk = qkv[..., :(nq + nkv) * d].view(1, t, nq + nkv, d)
+            half = d // 2
+            rotated = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary on q and k at once
+            q = rotated[:, :, :nq].transpose(1, 2)
+            k_cache[:, :, start:end] = rotated[:, :, nq:].transpose(1, 2)
+            v_cache[:, :, start:end] = qkv[..., (nq + nkv) * d:].view(1, t, nkv, d).transpose(1, 2)
+            attn = torch.nn.functional.scaled_dot_product_attention(
+                q, k_cache[:, :, :end], v_cache[:, :, :end], is_causal=t > 1, scale=layer.scaling, enable_gqa=True)
+            h = h + layer.o_proj(attn.transpose(1, 2).reshape(1, t, nq * d))
+            h = h + layer.mlp(layer.post_norm(h))
+        return self.lm_head(self.norm(h[0, -1:]))[0]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] of the position after ids [T] (the prompt's forward pass; the cache is reset)."""
+        ids = _check_ids(ids, self.config.vocab_size)
+        self._allocate(ids.numel())
+        with torch.inference_mode():
+            return self._forward(ids, 0)
+
+    def greedy(self, prompt_ids: torch.Tensor, new_tokens: int) -> List[int]:
+        """Exactly new_tokens greedy tokens after prompt_ids [T] (no stop at an end token), each the argmax of the
+        model's logits."""
+        ids = _check_ids(prompt_ids, self.config.vocab_size)
+        if not isinstance(new_tokens, int) or new_tokens < 1:
+            raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
+        self._allocate(ids.numel() + new_tokens)
+        out: List[int] = []
+        with torch.inference_mode():
+            logits = self._forward(ids, 0)
+            position = ids.numel()
+            for _ in range(new_tokens - 1):
+                token = logits.argmax()
+                out.append(int(token))
+                logits = self._forward(token.view(1), position)
+                position += 1
+            out.append(int(logits.argmax()))
+        return out
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0 or ids.dtype != torch.long:
+        raise ValueError(f"ids: expected a non-empty 1-D int64 tensor of token ids, got "
+                         f"{getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"ids: token ids must be in [0, {vocab_size})")
+    return ids
+
+
+def timed_greedy(decoder: Decoder, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
+    """decoder.greedy with its rate, as evaluate.greedy reports it: new_tokens / wall time of the whole call (the
+    prompt's prefill included)."""
+    t0 = time.perf_counter()
+    tokens = decoder.greedy(prompt_ids, new_tokens)
+    return {"tokens": tokens, "tokens_per_s": new_tokens / (time.perf_counter() - t0)}

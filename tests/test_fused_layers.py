@@ -1,0 +1,144 @@
+"""Fused projections, the int8 embedding shared with the lm_head, and the lean decode loop, on tiny random models
+(transformers): fused outputs against the separate layers bit for bit, the shared table against its int8 rows
+exactly, and the Decoder's logits and greedy tokens against the model's own forward and generate."""
+import copy
+
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu.nn import (W8A8Embedding, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, fuse_projections,
+                         quantize_model)
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(model_type="llama", tie=True, **overrides):
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[model_type]
+    settings = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                    tie_word_embeddings=tie)
+    if model_type != "llama":
+        settings["sliding_window"] = None
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**settings)).eval()
+    with torch.no_grad():  # random norms, so a norm mixed up with another shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_fused_qkv_and_gate_up_equal_the_separate_layers_bit_for_bit():
+    model = quantize_model(tiny_llama(), skip=["lm_head"])
+    separate = copy.deepcopy(model)
+    fused = fuse_projections(model)
+    assert fused == {"attention": ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+                     "mlp": ["model.layers.0.mlp", "model.layers.1.mlp"]}
+    x = torch.randn(3, 5, 64)
+    for i in range(2):
+        attn, attn0 = model.model.layers[i].self_attn, separate.model.layers[i].self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert isinstance(getattr(attn, name), W8A8LinearSlice)
+            assert torch.equal(getattr(attn, name)(x), getattr(attn0, name)(x)), (i, name)
+            assert torch.equal(getattr(attn, name).int8_weight(), getattr(attn0, name).int8_weight())
+            assert torch.equal(getattr(attn, name).w_scale, getattr(attn0, name).w_scale)
+        mlp, mlp0 = model.model.layers[i].mlp, separate.model.layers[i].mlp
+        assert isinstance(mlp, W8A8GatedMLP)
+        gate, up = (w8a8_cpu.int8_scaled_mm_with_quant(x, w, s) for w, s, _ in mlp.projections().values())
+        assert torch.equal(gate, mlp0.gate_proj(x)) and torch.equal(up, mlp0.up_proj(x))
+        act = torch.nn.functional.silu(gate.double()) * up.double()
+        torch.testing.assert_close(mlp.down_proj(act.float()), mlp0(x), rtol=1e-4, atol=1e-4)
+    # the whole model: the same function up to the SiLU's last bits
+    ids = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, separate(ids).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_slices_reuse_one_gemm_per_input_and_recompute_for_another():
+    model = quantize_model(tiny_llama(), skip=["lm_head"], fuse=True)
+    attn = model.model.layers[0].self_attn
+    calls = []
+    attn.q_proj.fused.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(2, 64)
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert len(calls) == 1
+    x.add_(1.0)  # an in-place edit bumps the version: the slices do not serve the stale output
+    assert not torch.equal(attn.k_proj(x), k) and len(calls) == 2
+    with torch.inference_mode():
+        y = torch.randn(2, 64)
+        attn.q_proj(y), attn.k_proj(y)
+        assert len(calls) == 3
+
+
+def test_tied_lm_head_and_embedding_share_one_int8_table():
+    model = tiny_llama()
+    emb_float = model.model.embed_tokens.weight.detach().clone()
+    quantize_model(model, quantize_embedding=True)
+    emb, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(emb, W8A8Embedding) and isinstance(head, W8A8Linear)
+    assert emb.weight_packed is head.weight_packed and emb.w_scale is head.w_scale
+    ids = torch.tensor([[0, 7, 299, 7]])
+    w_q = head.int8_weight()
+    expected = w_q[ids].float() * head.w_scale[ids].unsqueeze(-1)
+    assert torch.equal(emb(ids), expected)
+    torch.testing.assert_close(emb(ids), emb_float[ids], rtol=0, atol=float(emb_float.abs().max()) / 127)
+    names = [name for name, _ in model.named_buffers(remove_duplicate=True)]
+    assert sum("weight_packed" in name and ("embed" in name or "lm_head" in name) for name in names) == 1
+    with pytest.raises(IndexError, match=r"\[0, 300\)"):
+        emb(torch.tensor([300]))
+
+
+def test_untied_embedding_gets_its_own_table_and_no_warning(recwarn):
+    model = tiny_llama(tie=False)
+    quantize_model(model, quantize_embedding=True)
+    assert isinstance(model.model.embed_tokens, W8A8Embedding)
+    assert model.model.embed_tokens.weight_packed is not model.lm_head.weight_packed
+    tied = tiny_llama()
+    quantize_model(tied, quantize_embedding=True)
+    assert not [w for w in recwarn if "unties" in str(w.message)]
+    with pytest.warns(UserWarning, match="quantize_embedding=True"):
+        quantize_model(tiny_llama())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_decoder_follows_the_model(model_type):
+    """The lean loop on the model's own weights: fp32 logits equal the model's forward to float rounding (one fused
+    rms_norm kernel instead of four ops), and greedy tokens equal generate's; on the W8A8 model (fused, int8
+    lm_head) it agrees with the model's argmax on nearly every position (W8A8 is chaotic in the last bits)."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model = tiny_llama(model_type)
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids.unsqueeze(0)).logits[0, -1]
+    decoder = Decoder(model)
+    torch.testing.assert_close(decoder.prefill(ids), expected, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        generated = model.generate(ids.unsqueeze(0), attention_mask=torch.ones(1, 40, dtype=torch.long),
+                                   do_sample=False, max_new_tokens=20, min_new_tokens=20)[0, 40:].tolist()
+    assert decoder.greedy(ids, 20) == generated
+
+    quantized = quantize_model(copy.deepcopy(model), quantize_embedding=True, fuse=True)
+    lean = Decoder(quantized)
+    agree = 0
+    for end in range(2, 41):
+        with torch.no_grad():
+            agree += int(lean.prefill(ids[:end]).argmax() == quantized(ids[:end].unsqueeze(0)).logits[0, -1].argmax())
+    assert agree >= 37
+
+
+def test_decoder_rejects_what_it_does_not_run():
+    from w8a8_cpu.llm.decoder import Decoder
+
+    with pytest.raises(ValueError, match="Decoder supports"):
+        Decoder(torch.nn.Linear(2, 2))
+    decoder = Decoder(tiny_llama())
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 300\)"):
+        decoder.prefill(torch.tensor([300]))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        decoder.greedy(torch.zeros(100, dtype=torch.long), 29)
+    with pytest.raises(ValueError, match="new_tokens"):
+        decoder.greedy(torch.zeros(3, dtype=torch.long), 0)

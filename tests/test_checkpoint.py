@@ -616,3 +616,29 @@ def test_save_refuses_unknown_moe_naming(tmp_path):
     model.config.model_type = "olmoe"  # fused experts whose per-expert names this module does not know
     with pytest.raises(ValueError, match="per-expert checkpoint naming of model_type 'olmoe' is unknown"):
         save_compressed(model, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen2"])
+def test_fused_model_saves_per_layer_names_and_loads_fused(arch, quantized, tmp_path):
+    """save splits the fused q/k/v and gate/up layers into the per-layer names on disk (the same tensors as the
+    unfused model's checkpoint), load_quantized(fuse=True) fuses them again: logits bit-identical to the fused model."""
+    from w8a8_cpu.nn import W8A8GatedMLP, W8A8LinearSlice, fuse_projections
+
+    unfused = quantized(arch)
+    save_compressed(unfused, tmp_path / "unfused")
+    fused = copy.deepcopy(unfused)
+    fuse_projections(fused)
+    save_compressed(fused, tmp_path / "fused")
+    on_disk, expected = stored(tmp_path / "fused"), stored(tmp_path / "unfused")
+    assert sorted(on_disk) == sorted(expected)
+    assert all(torch.equal(on_disk[k], expected[k]) for k in expected)
+    loaded = load_quantized(tmp_path / "fused", fuse=True)
+    assert isinstance(loaded.model.layers[0].self_attn.k_proj, W8A8LinearSlice)
+    assert isinstance(loaded.model.layers[1].mlp, W8A8GatedMLP)
+    assert torch.equal(logits(loaded), logits(fused))
+
+
+def test_save_refuses_the_int8_embedding(tmp_path):
+    model = quantize_model(float_model("llama-tied"), quantize_embedding=True)
+    with pytest.raises(ValueError, match="W8A8Embedding, which has no checkpoint layout"):
+        save_compressed(model, tmp_path)

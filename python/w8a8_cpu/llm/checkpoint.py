@@ -22,7 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..nn import W8A8Experts, W8A8Linear, W8A8MoE, _expert_weights, is_silu, _replace_module
+from ..nn import (W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
+                  fuse_projections, is_silu, _replace_module)
 
 PathLike = Union[str, Path]
 
@@ -147,16 +148,29 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
     tensors: Dict[str, torch.Tensor] = {}
     float_layers: List[str] = []
     written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
+
+    def linear(name: str, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        prefix = naming.checkpoint_name(name)
+        tensors[f"{prefix}.weight"] = weight.contiguous()
+        tensors[f"{prefix}.weight_scale"] = scale.reshape(-1, 1).clone()  # clones: no storage shared in safetensors
+        if bias is not None:
+            tensors[f"{prefix}.bias"] = bias.clone()
+
+    # the fused layers behind W8A8LinearSlice views are written per slice, under the unfused names
+    behind_slices = {id(m.fused) for m in model.modules() if isinstance(m, W8A8LinearSlice)}
+    written_per_layer.update(name for name, module in model.named_modules(remove_duplicate=False)
+                             if id(module) in behind_slices)
     for name, module in model.named_modules():
         if isinstance(module, W8A8MoE):
             raise ValueError(f"model: {name} is a W8A8MoE, which has no checkpoint layout; quantize_model's "
                              f"W8A8Experts replaces transformers' experts modules and can be saved")
-        if isinstance(module, W8A8Linear):
-            prefix = naming.checkpoint_name(name)
-            tensors[f"{prefix}.weight"] = module.int8_weight()
-            tensors[f"{prefix}.weight_scale"] = module.w_scale.reshape(-1, 1).clone()
-            if module.bias is not None:
-                tensors[f"{prefix}.bias"] = module.bias.clone()
+        if id(module) in behind_slices:
+            continue
+        if isinstance(module, (W8A8Linear, W8A8LinearSlice)):
+            linear(name, module.int8_weight(), module.w_scale, module.bias)
+        elif isinstance(module, W8A8GatedMLP):  # written as gate_proj / up_proj; down_proj is a W8A8Linear child
+            for part, (weight, scale, bias) in module.projections().items():
+                linear(f"{name}.{part}", weight, scale, bias)
         elif isinstance(module, W8A8Experts):
             names = naming.expert_linears(name, module.num_experts)
             tensors.update(_expert_tensors(names, *module.int8_weights(), module.w13_scale, module.w2_scale))
@@ -212,6 +226,10 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"model: expected a transformers model with a config, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8Embedding):
+            raise ValueError(f"model: {name} is an int8 W8A8Embedding, which has no checkpoint layout here yet; "
+                             f"quantize without quantize_embedding=True to save the model")
     for target, source in _tied_weights(model).items():
         try:
             tied = model.get_parameter(target) is model.get_parameter(source)
@@ -655,7 +673,7 @@ def _empty_model(config, dtype: torch.dtype):
     return model
 
 
-def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
+def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fuse: bool = False):
     """Load a pre-quantized checkpoint from `directory` into a transformers causal LM, eval mode.
 
     Reads compressed-tensors `int-quantized` / `naive-quantized` checkpoints (int8 symmetric weights with
@@ -666,8 +684,12 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None):
     W8A8Linear and each MoE experts module a W8A8Experts from the stored int8 tensors (float weights of quantized
     layers are never created), and everything else is loaded in `dtype` (default: config.json's dtype, else
     float32). Any other scheme, and any file, field or tensor that is malformed, missing, unexpected or of the
-    wrong dtype or shape, raises ValueError naming it."""
-    return _load(directory, dtype)[0]
+    wrong dtype or shape, raises ValueError naming it. fuse: then fuse the projections as quantize_model(fuse=True)
+    does (w8a8_cpu.nn.fuse_projections; checkpoints keep the per-layer names, save_compressed splits them again)."""
+    model = _load(directory, dtype)[0]
+    if fuse:
+        fuse_projections(model)
+    return model
 
 
 def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):

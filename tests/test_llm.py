@@ -84,6 +84,30 @@ def test_smoothquant_w8a8_is_closer_to_fp32_than_rtn(smollm, smoothed):
     assert r["sq"]["top1_agreement"] > r["rtn"]["top1_agreement"] and r["sq"]["top1_agreement"] > 0.9, r
 
 
+def test_int8_output_layer_holds_the_gate_and_the_lean_loop_follows_the_model(smollm, smoothed):
+    """The job's W8A8 model (SmoothQuant, lm_head and embedding as one int8 table, fused projections): perplexity
+    within the gate, one int8 table instead of the fp32 one, and the lean decode loop's next-token argmax equal to the
+    model's own forward on nearly every prefix (statistical: W8A8 is chaotic in the last bits)."""
+    from w8a8_cpu.cli import llm as job
+    from w8a8_cpu.llm import evaluate
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model, _, eval_ids, _ = smollm
+    sq = w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), quantize_embedding=True, fuse=True)
+    assert sq.model.embed_tokens.weight_packed is sq.lm_head.weight_packed
+    assert evaluate.weight_bytes(sq) < 0.7 * evaluate.weight_bytes(
+        w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT))
+    r = evaluate.compare_on_text({"fp32": model, "sq": sq}, "fp32", eval_ids, window=512, stride=512)
+    assert r["sq"]["ppl"] / r["fp32"]["ppl"] - 1 < job.PPL_GATE_PERCENT / 100 + 0.01, r
+    assert r["sq"]["top1_agreement"] > 0.9, r
+    decoder = Decoder(sq)
+    ends = range(32, 513, 32)
+    with torch.inference_mode():
+        agree = sum(int(decoder.prefill(eval_ids[:end]).argmax() == sq(eval_ids[:end].unsqueeze(0)).logits[0, -1].argmax())
+                    for end in ends)
+    assert agree >= len(ends) - 2, agree
+
+
 ROUND_TRIP_CHILD = r"""
 import sys, torch
 from w8a8_cpu.llm import load_quantized
@@ -132,7 +156,10 @@ def test_main_job_reports_and_gates():
     assert models["fp32"]["greedy_equal_prefix"] == 16
     assert models["W8A8 (SmoothQuant)"]["kl"] < models["W8A8 (RTN)"]["kl"]
     assert models["W8A8 (SmoothQuant)"]["weight_bytes"] < 0.5 * models["fp32"]["weight_bytes"]
-    assert all(m["decode_tokens_per_s"] > 0 for m in models.values())
+    assert all(m["decode_tokens_per_s"] > 0 and m["generate_tokens_per_s"] > 0 for m in models.values())
+    assert result["int8_output_layer"] and result["lean_decode"]
+    assert models["W8A8 (SmoothQuant)"]["weight_bytes"] < 0.7 * models["W8A8 (SQ, fp32 lm_head)"]["weight_bytes"]
+    assert models["fp32"]["lean_equal_to_generate"] == 16  # fp32 is not chaotic: the lean loop's tokens are generate's
 
 
 def test_main_job_exits_nonzero_below_the_gate(monkeypatch, capsys):
@@ -140,14 +167,14 @@ def test_main_job_exits_nonzero_below_the_gate(monkeypatch, capsys):
     from w8a8_cpu.cli import llm as job
 
     fake_model = {"ppl": 20.0, "scored_tokens": 10, "kl": 0.1, "top1_agreement": 0.9, "greedy_equal_prefix": 3,
-                  "greedy_text": "x", "weight_bytes": 1, "decode_tokens_per_s": 1.0}
+                  "greedy_text": "x", "weight_bytes": 1, "decode_tokens_per_s": 1.0, "generate_tokens_per_s": 1.0}
     fake = {"model": "m", "variant": "ref", "threads": 1, "evaluation_text": "e", "calibration_text": "c",
             "eval_tokens": 11, "window": 8, "stride": 4, "calibration_tokens": 8, "smoothquant_alpha": 0.5,
             "smoothquant": {"inputs": 1, "seconds": 0.1, "logit_drift": 0.0, "worst_outlier_before": 9.0,
                             "worst_outlier_after": 2.0},
             "chat_prompt": "p", "new_tokens": 4, "prefill_tokens": 8, "run_seconds": 1.0,
             "models": {job.FP32: dict(fake_model), job.RTN: dict(fake_model), job.SQ: {**fake_model, "ppl": 21.0}},
-            "ppl_increase_percent": 5.0, "ok": False}
+            "int8_output_layer": False, "lean_decode": False, "ppl_increase_percent": 5.0, "ok": False}
     monkeypatch.setattr(job, "run", lambda **kwargs: fake)
     monkeypatch.setattr(smollm2, "available", lambda: True)
     assert cli.main(["llm", "--no-bench"]) == 1

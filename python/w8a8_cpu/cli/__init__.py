@@ -1,7 +1,8 @@
 """python -m w8a8_cpu [llm | demo | check | bench]: the main job, a decoder LLM in W8A8 (llm); W8A8 sentence
 embeddings with MiniLM (demo); the CPU/dispatch report, self-check of every runnable variant and short benchmark
-(check); or the benchmark suite on real-model shapes (bench). No subcommand: llm when the llm extra is installed,
-else demo when the demo extra is, else check; options without a subcommand (--shape, --iters, ...) mean check."""
+(check); or the benchmark suite on real-model shapes (bench), with SmolLM2 end to end against CTranslate2 int8
+(bench llm). No subcommand: llm when the llm extra is installed, else demo when the demo extra is, else check;
+options without a subcommand (--shape, --iters, ...) mean check."""
 from __future__ import annotations
 
 import argparse
@@ -70,11 +71,17 @@ def _parsers():
     check.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     from . import bench as bench_mod
+    from . import bench_llm
 
     bench = sub.add_parser("bench", help="benchmark suite: Llama-3-8B-like linears and MoE vs torch baselines",
                            description=bench_mod.DESCRIPTION)
     bench_mod.add_arguments(bench)
-    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench}
+    # `bench llm [its options]`: a mode of bench with options of its own; plain `bench [options]` is the suite
+    bench_modes = bench.add_subparsers(dest="bench_mode", metavar="{llm}")
+    bench_llm_parser = bench_modes.add_parser("llm", help="end-to-end SmolLM2-135M decode and prefill of fp32, "
+                                              "torch.ao, W8A8 and CTranslate2 int8", description=bench_llm.DESCRIPTION)
+    bench_llm.add_arguments(bench_llm_parser)
+    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench, "bench llm": bench_llm_parser}
 
 
 def main(argv: List[str] = None) -> int:
@@ -106,6 +113,10 @@ def main(argv: List[str] = None) -> int:
     args = parser.parse_args(argv)
     if hint:
         print(hint)
+    if args.command == "bench" and args.bench_mode == "llm":
+        from . import bench_llm
+
+        return bench_llm.run(args, subs["bench llm"])
     if args.command == "bench":
         from . import bench as bench_mod
 

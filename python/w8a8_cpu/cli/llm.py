@@ -77,7 +77,7 @@ def lean_timing(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_toke
     return {name: {"decode_tokens_per_s": new_tokens / decode[name], "prefill_s": prefill[name]} for name in decoders}
 
 
-def _quantize(model: torch.nn.Module, int8_output_layer: bool) -> torch.nn.Module:
+def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool) -> torch.nn.Module:
     """W8A8 linears; with int8_output_layer, the lm_head too, sharing one int8 table with the token embedding, and the
     q/k/v and gate/up projections fused (one GEMM each)."""
     if int8_output_layer:
@@ -104,15 +104,15 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
 
     progress.step("W8A8 round-to-nearest")
     models: Dict[str, torch.nn.Module] = {FP32: fp32}
-    models[RTN] = _quantize(copy.deepcopy(fp32), False)
+    models[RTN] = quantize_for_job(copy.deepcopy(fp32), False)
     if prepare_w8a8:
         prepare_w8a8(RTN, models[RTN])
     progress.step(f"SmoothQuant calibration ({calibration_tokens} tokens)")
     smoothed = copy.deepcopy(fp32)
     smooth_report = smooth_quant(smoothed, calib_ids.unsqueeze(0), alpha=SMOOTHQUANT_ALPHA)
     if int8_output_layer:
-        models[SQ_FP32_HEAD] = _quantize(copy.deepcopy(smoothed), False)
-    models[SQ] = _quantize(smoothed, int8_output_layer)
+        models[SQ_FP32_HEAD] = quantize_for_job(copy.deepcopy(smoothed), False)
+    models[SQ] = quantize_for_job(smoothed, int8_output_layer)
     if prepare_w8a8:
         prepare_w8a8(SQ, models[SQ])
     progress.step("torch.ao dynamic int8")

@@ -1,0 +1,276 @@
+"""python -m w8a8_cpu bench llm without the real model (that run takes minutes): its options and their errors, the
+table, the CTranslate2 conversion cache with a fake converter, and the interleaved measurement with fake engines
+and with a tiny random Llama. State lives under tmp_path ($W8A8_CPU_CACHE)."""
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from w8a8_cpu.cli import _parsers, bench_llm, main
+from w8a8_cpu.cli.baselines import CTRANSLATE2_STAMP, ctranslate2_int8
+from w8a8_cpu.cli.timing import Progress
+from w8a8_cpu.llm import smollm2
+
+QUIET = Progress(1, enabled=False)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("W8A8_CPU_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+# --------------------------------------------------------------------------------------------------- options
+
+def test_bench_llm_is_a_mode_of_bench():
+    parser = _parsers()[0]
+    args = parser.parse_args(["bench", "llm", "--threads", "1", "2", "--new-tokens", "8", "--prefill-tokens", "32",
+                              "--rounds", "2", "--json", "x.json", "--no-progress"])
+    assert (args.command, args.bench_mode, args.threads, args.new_tokens, args.prefill_tokens, args.rounds,
+            args.json, args.no_progress) == ("bench", "llm", [1, 2], 8, 32, 2, "x.json", True)
+    defaults = parser.parse_args(["bench", "llm"])
+    assert (defaults.threads, defaults.new_tokens, defaults.prefill_tokens, defaults.rounds) == ([1, 2], 64, 512, 3)
+    suite = parser.parse_args(["bench", "--quick", "--threads", "1", "2", "--shapes", "smollm2", "--no-moe"])
+    assert suite.bench_mode is None and suite.quick and suite.threads == [1, 2]  # the suite's options as before
+
+
+def test_help_lists_bench_llm(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m w8a8_cpu bench llm" in out and "--prefill-tokens" in out and "CTranslate2" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "0"], "must be positive"),
+    (["--new-tokens", "0"], "must be positive"),
+    (["--prefill-tokens", "-1"], "must be positive"),
+    (["--rounds", "0"], "must be positive"),
+    (["--threads", "x"], "invalid int value"),
+    (["--json", "/nonexistent-w8a8-dir/out.json"], "does not exist"),
+])
+def test_bad_options_stop_before_any_work(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(smollm2, "load", lambda *a: pytest.fail("the model was loaded despite a bad option"))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "llm", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_the_model_it_says_how(capsys, monkeypatch):
+    monkeypatch.setattr(smollm2, "available", lambda: False)
+    assert main(["bench", "llm", "--no-progress"]) == 2
+    assert smollm2.INSTALL_HINT in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------- table
+
+def _result(threads, tokens_per_s, prefill_s, agreement, with_peer=True):
+    engines = {}
+    for name, tps, pre, agree in zip(bench_llm.ENGINES, tokens_per_s, prefill_s, agreement):
+        if name == bench_llm.CT2 and not with_peer:
+            continue
+        engines[name] = {"decode_tokens_per_s": tps, "prefill_s": pre, "greedy_equal_prefix": agree,
+                         "decode_vs_llama_cpp": tps / bench_llm.LLAMA_CPP_DECODE_TOKENS_PER_S}
+    if with_peer:
+        peer = engines[bench_llm.CT2]
+        for r in engines.values():
+            r["decode_vs_ctranslate2"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            r["prefill_vs_ctranslate2"] = peer["prefill_s"] / r["prefill_s"]
+    return {"threads": threads, "engines": engines}
+
+
+def test_table_rows_ratios_and_reference_line():
+    run = _result(2, [12.5, 20.0, 28.0, 60.0, 50.0], [1.5, 1.0, 1.2, 0.8, 0.6], [64, 3, 8, 8, 4])
+    lines = bench_llm.format_table(run, 64, {})
+    assert lines[0] == "2 threads:"
+    header, rows, reference = lines[1], lines[2:-1], lines[-1]
+    for column, _ in bench_llm.COLUMNS:
+        assert column in header
+    assert len({len(line) for line in [header, *rows]}) == 1, "columns line up"
+    fields = {row[:2 + bench_llm.NAME_WIDTH].strip(): row[2 + bench_llm.NAME_WIDTH:].split() for row in rows}
+    assert list(fields) == list(bench_llm.ENGINES)
+    assert fields["fp32"] == ["12.5", "1.500", "64/64", "x0.25", "x0.40", "x0.17"]
+    assert fields["W8A8 fast path"] == ["60.0", "0.800", "8/64", "x1.20", "x0.75", "x0.80"]
+    assert fields["CTranslate2 int8"] == ["50.0", "0.600", "4/64", "x1.00", "x1.00", "x0.67"]
+    # llama.cpp: its published decode rate, its ratio to CTranslate2, nothing measured
+    assert reference.split() == ["llama.cpp*", "75.0", "x1.50", "x1.00"]
+
+
+def test_table_without_the_peer_and_with_engines_not_run():
+    run = _result(1, [10.0, 15.0, 20.0], [2.0, 1.5, 1.2], [64, 2, 5], with_peer=False)
+    unavailable = {bench_llm.FAST: "w8a8_cpu.llm.decoder not importable (nope)",
+                   bench_llm.CT2: "No module named 'ctranslate2' (pip install 'w8a8-cpu[bench]')"}
+    lines = bench_llm.format_table(run, 64, unavailable)
+    assert lines[0] == "1 thread:"
+    assert lines[2].split()[1:] == ["10.0", "2.000", "64/64", "x0.13"]  # no CTranslate2 ratios
+    assert any(line.split()[:5] == ["W8A8", "fast", "path", "not", "run:"] for line in lines)
+    assert any("CTranslate2 int8" in line and "w8a8-cpu[bench]" in line for line in lines)
+    assert lines[-1].split() == ["llama.cpp*", "75.0", "x1.00"]
+
+
+def test_report_labels_llama_cpp_as_not_measured(capsys):
+    run = _result(1, [12.5, 20.0, 28.0, 60.0, 50.0], [1.5, 1.0, 1.2, 0.8, 0.6], [64, 3, 8, 8, 4])
+    bench_llm.print_report({"model": "SmolLM2", "variant": "avx2", "torch": "2.13.0", "ctranslate2": "4.8.5",
+                            "new_tokens": 64, "prefill_tokens": 512, "prompt_tokens": 41, "prefill_text": "GPL-3",
+                            "rounds": 3, "warmup_rounds": 1, "unavailable": {}, "runs": [run]})
+    out = capsys.readouterr().out
+    assert "NOT measured here" in out and "75 tok/s" in out and "median of 3 interleaved rounds" in out
+
+
+# --------------------------------------------------------------------------------------------------- CTranslate2 cache
+
+class FakeConverter:
+    """ctranslate2.converters.TransformersConverter's interface; writes a model file, or part of one and fails."""
+    calls = []
+    fail = False
+
+    def __init__(self, source):
+        self.source = source
+
+    def convert(self, output_dir, quantization=None, force=False):
+        FakeConverter.calls.append((self.source, output_dir, quantization))
+        assert force or not Path(output_dir).exists()
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(output_dir) / "model.bin").write_text("half" if FakeConverter.fail else "int8 weights")
+        if FakeConverter.fail:
+            raise RuntimeError("converter died")
+        (Path(output_dir) / "config.json").write_text("{}")
+        return output_dir
+
+
+@pytest.fixture
+def fake_ctranslate2(monkeypatch, cache):
+    module = types.ModuleType("ctranslate2")
+    module.__version__ = "9.9.9"
+    module.converters = types.ModuleType("ctranslate2.converters")
+    module.converters.TransformersConverter = FakeConverter
+    monkeypatch.setitem(sys.modules, "ctranslate2", module)
+    monkeypatch.setitem(sys.modules, "ctranslate2.converters", module.converters)
+    FakeConverter.calls, FakeConverter.fail = [], False
+    source = cache / "smollm2-135m-instruct"
+    source.mkdir(parents=True)
+    (source / "w8a8_cpu_cache.json").write_text('{"format": 2}')
+    return source
+
+
+def _folders(parent):
+    return sorted(p.name for p in parent.iterdir() if p.is_dir())
+
+
+def test_ctranslate2_conversion_is_cached_by_version_and_source(fake_ctranslate2):
+    source = fake_ctranslate2
+    target = ctranslate2_int8(source)
+    assert target == source.parent / "smollm2-135m-instruct-ctranslate2-9.9.9-int8"
+    assert (target / "model.bin").read_text() == "int8 weights"
+    stamp = json.loads((target / CTRANSLATE2_STAMP).read_text())
+    assert stamp["ctranslate2"] == "9.9.9" and stamp["quantization"] == "int8"
+    assert [(s, q) for s, _, q in FakeConverter.calls] == [(str(source), "int8")]
+    assert FakeConverter.calls[0][1] != str(target), "converted under a temporary name, then renamed"
+    assert _folders(source.parent) == [source.name, target.name], "no staging folder left behind"
+    assert ctranslate2_int8(source) == target and len(FakeConverter.calls) == 1  # cached
+    (source / "w8a8_cpu_cache.json").write_text('{"format": 3}')  # the float cache was rebuilt: convert again
+    assert ctranslate2_int8(source) == target and len(FakeConverter.calls) == 2
+    assert _folders(source.parent) == [source.name, target.name]
+
+
+def test_ctranslate2_conversion_never_publishes_half_a_model(fake_ctranslate2):
+    source = fake_ctranslate2
+    FakeConverter.fail = True
+    with pytest.raises(RuntimeError, match="converter died"):
+        ctranslate2_int8(source)
+    assert _folders(source.parent) == [source.name], "neither the target nor the staging folder exists"
+    # a folder of the target's name without the stamp (another tool's, or an old crash) is not a finished conversion
+    stale = source.parent / "smollm2-135m-instruct-ctranslate2-9.9.9-int8"
+    stale.mkdir()
+    (stale / "model.bin").write_text("half")
+    FakeConverter.fail = False
+    assert ctranslate2_int8(source) == stale and (stale / "model.bin").read_text() == "int8 weights"
+
+
+# --------------------------------------------------------------------------------------------------- measurement
+
+def fake_engine(name, tokens, log):
+    """greedy returns `tokens` (as a tensor, like some engines do); every call logged with torch's thread count."""
+
+    def greedy(prompt_ids, new_tokens):
+        log.append(("decode", name, torch.get_num_threads(), torch.is_inference_mode_enabled()))
+        return torch.tensor(tokens[:new_tokens])
+
+    def prefill(ids):
+        log.append(("prefill", name, torch.get_num_threads(), ids.numel()))
+        return torch.zeros(8)
+
+    return bench_llm.Engine(greedy=greedy, prefill=prefill)
+
+
+def test_sweep_interleaves_engines_per_thread_count():
+    log, built = [], []
+    reference = list(range(100, 108))
+    tokens = {bench_llm.FP32: reference, bench_llm.EAGER: reference[:3] + [0] * 5, bench_llm.CT2: [7] * 8}
+
+    def engines_for(threads):
+        built.append((threads, torch.get_num_threads()))
+        return {name: fake_engine(name, t, log) for name, t in tokens.items()}
+
+    before = torch.get_num_threads()
+    runs = bench_llm.sweep(engines_for, [1, 2], torch.arange(5), torch.arange(16), new_tokens=8, rounds=2,
+                           progress=QUIET)
+    assert torch.get_num_threads() == before
+    assert built == [(1, 1), (2, 2)], "torch's thread count is set before the engines are made"
+    assert [r["threads"] for r in runs] == [1, 2]
+    names = list(tokens)
+    calls = 1 + 2  # warm-up round + timed rounds, every engine once per round
+    for threads, run in zip([1, 2], runs):
+        mine = [entry for entry in log if entry[2] == threads]
+        assert [(e[0], e[1]) for e in mine] == [("decode", n) for n in names] * calls + \
+            [("prefill", n) for n in names] * calls, "round r runs every engine once before round r + 1"
+        assert all(e[3] is True for e in mine if e[0] == "decode"), "timed under inference_mode"
+        assert all(e[3] == 16 for e in mine if e[0] == "prefill")
+        engines = run["engines"]
+        assert list(engines) == names
+        for r in engines.values():
+            assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0
+            assert len(r["decode_s_rounds"]) == len(r["prefill_s_rounds"]) == 2
+            assert r["decode_vs_llama_cpp"] == pytest.approx(
+                r["decode_tokens_per_s"] / bench_llm.LLAMA_CPP_DECODE_TOKENS_PER_S)
+            assert all(isinstance(t, int) for t in r["tokens"]) and len(r["tokens"]) == 8
+        assert [engines[n]["greedy_equal_prefix"] for n in names] == [8, 3, 0]
+        assert engines[bench_llm.CT2]["decode_vs_ctranslate2"] == engines[bench_llm.CT2]["prefill_vs_ctranslate2"] == 1
+        eager = engines[bench_llm.EAGER]
+        assert eager["prefill_vs_ctranslate2"] == pytest.approx(engines[bench_llm.CT2]["prefill_s"] / eager["prefill_s"])
+    json.dumps(runs)  # --json writes them as they are
+
+
+def test_an_engine_stopping_early_is_an_error():
+    log = []
+    engines = {bench_llm.FP32: fake_engine(bench_llm.FP32, [1] * 3, log)}
+    with pytest.raises(RuntimeError, match="generated 3 tokens instead of 8"):
+        bench_llm.measure(engines, torch.arange(5), torch.arange(16), 8, 1, QUIET, "1 thread")
+
+
+@pytest.mark.slow_under_emulation  # transformers' import and generate loop under qemu
+def test_tiny_llama_engines_without_the_peer(monkeypatch):
+    """build_engines + sweep on a tiny random Llama: the transformers engines and the fast path (the Decoder over a
+    W8A8 model of its own, int8 output layer, fused) really generate and prefill; a missing ctranslate2 is a row
+    not run, with its reason."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)
+    unavailable = {}
+    engines, ct2_dir = bench_llm.build_engines(model, QUIET, unavailable)
+    assert ct2_dir is None and "w8a8-cpu[bench]" in unavailable[bench_llm.CT2]
+    assert bench_llm.FAST not in unavailable
+    assert list(engines) == [name for name in bench_llm.ENGINES if name not in unavailable]
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear, "the fp32 model stays float"
+    (run,) = bench_llm.sweep(lambda threads: engines, [1], torch.arange(1, 9), torch.arange(1, 33), new_tokens=6,
+                             rounds=1, progress=QUIET)
+    assert run["engines"][bench_llm.FP32]["greedy_equal_prefix"] == 6
+    assert all(len(r["tokens"]) == 6 and r["prefill_s"] > 0 for r in run["engines"].values())
+    assert "decode_vs_ctranslate2" not in run["engines"][bench_llm.FP32]
+    assert bench_llm.format_table(run, 6, unavailable)[-1].split() == ["llama.cpp*", "75.0", "x1.00"]

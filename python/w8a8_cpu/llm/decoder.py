@@ -14,12 +14,11 @@ attention with grouped KV heads, a SiLU-gated MLP, no sliding window). Anything 
 missing; use model.generate for those."""
 from __future__ import annotations
 
-import time
-from typing import Callable, List, Optional
+from typing import Callable, List
 
 import torch
 
-from ..nn import W8A8GatedMLP, W8A8Linear, W8A8LinearSlice
+from ..nn import W8A8LinearSlice
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -153,10 +152,3 @@ def _check_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise ValueError(f"ids: token ids must be in [0, {vocab_size})")
     return ids
 
-
-def timed_greedy(decoder: Decoder, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
-    """decoder.greedy with its rate, as evaluate.greedy reports it: new_tokens / wall time of the whole call (the
-    prompt's prefill included)."""
-    t0 = time.perf_counter()
-    tokens = decoder.greedy(prompt_ids, new_tokens)
-    return {"tokens": tokens, "tokens_per_s": new_tokens / (time.perf_counter() - t0)}

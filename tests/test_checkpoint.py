@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import w8a8_cpu
 from w8a8_cpu.nn import W8A8Experts, W8A8Linear, quantize_model
+from w8a8_cpu import unpack_weight
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built from configs; nothing may be downloaded
 transformers = pytest.importorskip("transformers")  # brings safetensors
@@ -638,7 +639,42 @@ def test_fused_model_saves_per_layer_names_and_loads_fused(arch, quantized, tmp_
     assert torch.equal(logits(loaded), logits(fused))
 
 
-def test_save_refuses_the_int8_embedding(tmp_path):
-    model = quantize_model(float_model("llama-tied"), quantize_embedding=True)
-    with pytest.raises(ValueError, match="W8A8Embedding, which has no checkpoint layout"):
-        save_compressed(model, tmp_path)
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen2"])
+def test_int8_embedding_saves_as_float_table_and_loads_int8(arch, tmp_path):
+    """An int8 embedding (and the lm_head sharing its table when tied) is stored as the float table int8 * scale, the
+    tied lm_head not written and in `ignore`, so float readers see an ordinary checkpoint (transformers loads it to
+    the same logits); load_quantized holds it in int8 again by the config's flag: fp32 int8 values equal, one table
+    shared by embedding and tied lm_head, logits equal to the saved model's to float rounding of the scales."""
+    from w8a8_cpu.nn import W8A8Embedding
+
+    model = quantize_model(float_model(arch), quantize_embedding=True)
+    save_compressed(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["w8a8_cpu"] == {"int8_embedding": True}
+    on_disk = stored(tmp_path)
+    embedding = model.get_input_embeddings()
+    assert on_disk["model.embed_tokens.weight"].dtype == torch.float32
+    assert torch.equal(on_disk["model.embed_tokens.weight"], embedding.dequantized())
+    tied = arch == "llama-tied"
+    assert ("lm_head.weight" in on_disk) != tied and ("lm_head" in config["quantization_config"]["ignore"]) == tied
+
+    loaded = load_quantized(tmp_path)
+    table = loaded.get_input_embeddings()
+    assert isinstance(table, W8A8Embedding)
+    assert torch.equal(unpack_weight(table.weight_packed), unpack_weight(embedding.weight_packed))
+    torch.testing.assert_close(table.w_scale, embedding.w_scale, rtol=2 ** -23, atol=0)
+    if tied:
+        assert loaded.lm_head.weight_packed is table.weight_packed
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=1e-5, atol=1e-5)
+    float_view = load_quantized(tmp_path, quantize_embedding=False)
+    assert isinstance(float_view.get_input_embeddings(), torch.nn.Embedding)
+
+
+@pytest.mark.parametrize("entry", ['"yes"', '{"int8_embedding": 1}', '{"int8_embedding": true, "x": 1}'])
+def test_malformed_int8_embedding_flag_refused(entry, tmp_path):
+    save_compressed(quantize_model(float_model("qwen2"), quantize_embedding=True), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["w8a8_cpu"] = json.loads(entry)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match='config.json: "w8a8_cpu" must be'):
+        load_quantized(tmp_path)

@@ -23,13 +23,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..nn import (W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
-                  fuse_projections, is_silu, _replace_module)
+                  fuse_projections, is_silu, quantize_model, _replace_module)
 
 PathLike = Union[str, Path]
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# config.json key of what only this package reads back: {"int8_embedding": true} when the token embedding (and an
+# lm_head tied to it) was held as one int8 table; the checkpoint stores that table as floats, so other readers load it
+# as a float embedding and ignore the key
+OWN_CONFIG_KEY = "w8a8_cpu"
 _SHARD_PATTERN = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 _MAX_ECHO = 96  # characters of a checkpoint-supplied name or value quoted back in an error message
@@ -156,6 +160,9 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
         if bias is not None:
             tensors[f"{prefix}.bias"] = bias.clone()
 
+    # an int8 embedding is written as floats (what every reader takes for an embedding), and an lm_head reading the
+    # same int8 table as the tied float lm_head that it stands for: not written, float in the config
+    int8_tables = {id(m.weight_packed) for m in model.modules() if isinstance(m, W8A8Embedding)}
     # the fused layers behind W8A8LinearSlice views are written per slice, under the unfused names
     behind_slices = {id(m.fused) for m in model.modules() if isinstance(m, W8A8LinearSlice)}
     written_per_layer.update(name for name, module in model.named_modules(remove_duplicate=False)
@@ -166,7 +173,11 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
                              f"W8A8Experts replaces transformers' experts modules and can be saved")
         if id(module) in behind_slices:
             continue
-        if isinstance(module, (W8A8Linear, W8A8LinearSlice)):
+        if isinstance(module, W8A8Embedding):
+            tensors[naming.checkpoint_name(f"{name}.weight")] = module.dequantized().contiguous()
+        elif isinstance(module, W8A8Linear) and id(module.weight_packed) in int8_tables:
+            float_layers.append(naming.checkpoint_name(name))
+        elif isinstance(module, (W8A8Linear, W8A8LinearSlice)):
             linear(name, module.int8_weight(), module.w_scale, module.bias)
         elif isinstance(module, W8A8GatedMLP):  # written as gate_proj / up_proj; down_proj is a W8A8Linear child
             for part, (weight, scale, bias) in module.projections().items():
@@ -208,6 +219,17 @@ def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) ->
     return shards
 
 
+def _reads_int8_table(model: torch.nn.Module, target: str, source: str) -> bool:
+    """Whether the tied `target` weight is a W8A8Linear reading the int8 table of the W8A8Embedding at `source` (the
+    tie of quantize_model(quantize_embedding=True): one table for both)."""
+    try:
+        layer, table = (model.get_submodule(name.rpartition(".")[0]) for name in (target, source))
+    except AttributeError:
+        return False
+    return isinstance(layer, W8A8Linear) and isinstance(table, W8A8Embedding) and \
+        layer.weight_packed is table.weight_packed
+
+
 def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None) -> None:
     """Write a transformers model quantized by quantize_model as a compressed-tensors checkpoint in `directory`.
 
@@ -217,7 +239,11 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     included). Quantized layers are stored as `<layer>.weight` int8 [N, K] and `<layer>.weight_scale` fp32 [N, 1];
     everything else in the model's float dtype. Fused MoE experts are written per expert under the names vLLM,
     sglang and transformers read (Mixtral `block_sparse_moe.experts.E.w1/w3/w2`, Qwen2/3-MoE
-    `mlp.experts.E.gate_proj/up_proj/down_proj`); a tied lm_head is not written. With max_shard_bytes the tensors are
+    `mlp.experts.E.gate_proj/up_proj/down_proj`); a tied lm_head is not written. An int8 token embedding
+    (W8A8Embedding, quantize_embedding=True) is written as its float table (int8 * row scale, in the model's dtype),
+    and an lm_head reading that table is written as the tied float lm_head it stands for (in `ignore`; vLLM and
+    transformers read such a checkpoint as they read any other), with config.json's "w8a8_cpu": {"int8_embedding":
+    true} telling load_quantized to hold the table in int8 again. With max_shard_bytes the tensors are
     split into `model-0000i-of-0000n.safetensors` shards listed by model.safetensors.index.json (one shard is
     written as model.safetensors). generation_config.json is written when the model has one; the tokenizer is the
     caller's. Weight files of an earlier checkpoint in `directory` are removed first."""
@@ -226,15 +252,11 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"model: expected a transformers model with a config, got {type(model).__name__}")
-    for name, module in model.named_modules():
-        if isinstance(module, W8A8Embedding):
-            raise ValueError(f"model: {name} is an int8 W8A8Embedding, which has no checkpoint layout here yet; "
-                             f"quantize without quantize_embedding=True to save the model")
     for target, source in _tied_weights(model).items():
         try:
             tied = model.get_parameter(target) is model.get_parameter(source)
         except AttributeError:  # e.g. lm_head replaced by a W8A8Linear, which has no weight parameter
-            tied = False
+            tied = _reads_int8_table(model, target, source)
         if not tied:
             raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
                              f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
@@ -251,6 +273,9 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config_dict["architectures"] = [type(model).__name__]
     config_dict["dtype"] = str(model.dtype).removeprefix("torch.")
     config_dict["quantization_config"] = _compressed_tensors_config(float_layers)
+    config_dict.pop(OWN_CONFIG_KEY, None)
+    if any(isinstance(m, W8A8Embedding) for m in model.modules()):
+        config_dict[OWN_CONFIG_KEY] = {"int8_embedding": True}
     (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
@@ -673,7 +698,8 @@ def _empty_model(config, dtype: torch.dtype):
     return model
 
 
-def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fuse: bool = False):
+def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fuse: bool = False,
+                   quantize_embedding: Optional[bool] = None):
     """Load a pre-quantized checkpoint from `directory` into a transformers causal LM, eval mode.
 
     Reads compressed-tensors `int-quantized` / `naive-quantized` checkpoints (int8 symmetric weights with
@@ -685,11 +711,33 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fus
     layers are never created), and everything else is loaded in `dtype` (default: config.json's dtype, else
     float32). Any other scheme, and any file, field or tensor that is malformed, missing, unexpected or of the
     wrong dtype or shape, raises ValueError naming it. fuse: then fuse the projections as quantize_model(fuse=True)
-    does (w8a8_cpu.nn.fuse_projections; checkpoints keep the per-layer names, save_compressed splits them again)."""
+    does (w8a8_cpu.nn.fuse_projections; checkpoints keep the per-layer names, save_compressed splits them again).
+    quantize_embedding: hold the token embedding, and an lm_head tied to it, as one int8 table as
+    quantize_model(quantize_embedding=True) does, from the stored float table (per-row round to nearest: for a
+    table saved by save_compressed from such a model in float32 the int8 values come back exactly; a bfloat16 or
+    float16 table can move a value by one step). None (the default): as the checkpoint says (config.json's
+    "w8a8_cpu": {"int8_embedding": true}, written by save_compressed)."""
     model = _load(directory, dtype)[0]
+    if quantize_embedding is None:
+        quantize_embedding = _int8_embedding_flag(model.config, Path(directory) / CONFIG_FILE)
+    if quantize_embedding:
+        output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        tied = output is not None and getattr(output, "weight", None) is getattr(embedding, "weight", False)
+        quantize_model(model, skip=lambda name, module: not (tied and module is output), quantize_embedding=True)
     if fuse:
         fuse_projections(model)
     return model
+
+
+def _int8_embedding_flag(config, config_file: Path) -> bool:
+    """config.json's OWN_CONFIG_KEY entry: {"int8_embedding": bool} or absent (False)."""
+    entry = getattr(config, OWN_CONFIG_KEY, None)
+    if entry is None:
+        return False
+    if not isinstance(entry, dict) or set(entry) != {"int8_embedding"} or \
+            not isinstance(entry["int8_embedding"], bool):
+        raise ValueError(f'{config_file}: "{OWN_CONFIG_KEY}" must be {{"int8_embedding": true or false}}')
+    return entry["int8_embedding"]
 
 
 def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):

@@ -249,6 +249,11 @@ class W8A8Embedding(_Fp32Scales):
         rows = _gather_rows(panels, self.num_embeddings, self.embedding_dim, ids, "ids")
         return (rows * self.w_scale[ids].unsqueeze(-1)).to(self.dtype)
 
+    def dequantized(self) -> torch.Tensor:
+        """The whole table as floats [V, H] in `dtype` (int8 * row scale in fp32, then cast): what checkpoints store,
+        so that float readers (transformers, vLLM) read the model's embedding."""
+        return (unpack_weight(self.weight_packed).float() * self.w_scale.unsqueeze(1)).to(self.dtype)
+
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows, dtype={self.dtype}"
 

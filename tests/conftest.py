@@ -7,7 +7,13 @@ import time
 import pytest
 import torch
 
-import w8a8_cpu
+# The suite's model cache (the dequantized SmolLM2, its CTranslate2 conversion) is its own, under tests/.cache: a
+# user's cache cannot break the tests, and the tests never write into it. Set before any w8a8_cpu module reads it;
+# child processes (ranks, CLI runs) inherit it.
+TEST_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+os.environ["W8A8_CPU_CACHE"] = TEST_CACHE
+
+import w8a8_cpu  # noqa: E402
 
 INFO = w8a8_cpu.info()
 COMPILED = INFO["compiled_variants"]

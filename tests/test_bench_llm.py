@@ -2,6 +2,7 @@
 table, the CTranslate2 conversion cache with a fake converter, and the interleaved measurement with fake engines
 and with a tiny random Llama. State lives under tmp_path ($W8A8_CPU_CACHE)."""
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from w8a8_cpu.cli import _parsers, bench_llm, main
-from w8a8_cpu.cli.baselines import CTRANSLATE2_STAMP, ctranslate2_int8
+from w8a8_cpu.cli.baselines import ctranslate2_int8
+from w8a8_cpu.llm.cache import MARKER
 from w8a8_cpu.cli.timing import Progress
 from w8a8_cpu.llm import smollm2
 
@@ -162,17 +164,18 @@ def _folders(parent):
 def test_ctranslate2_conversion_is_cached_by_version_and_source(fake_ctranslate2):
     source = fake_ctranslate2
     target = ctranslate2_int8(source)
-    assert target == source.parent / "smollm2-135m-instruct-ctranslate2-9.9.9-int8"
+    assert target.parent == source.parent and target.name.startswith("smollm2-135m-instruct-ctranslate2-int8-")
     assert (target / "model.bin").read_text() == "int8 weights"
-    stamp = json.loads((target / CTRANSLATE2_STAMP).read_text())
-    assert stamp["ctranslate2"] == "9.9.9" and stamp["quantization"] == "int8"
+    marker = json.loads((target / MARKER).read_text())
+    assert marker["key"] == {"ctranslate2": "9.9.9", "quantization": "int8", "source": source.name}
     assert [(s, q) for s, _, q in FakeConverter.calls] == [(str(source), "int8")]
     assert FakeConverter.calls[0][1] != str(target), "converted under a temporary name, then renamed"
-    assert _folders(source.parent) == [source.name, target.name], "no staging folder left behind"
+    assert _folders(source.parent) == sorted([source.name, target.name]), "no staging folder left behind"
     assert ctranslate2_int8(source) == target and len(FakeConverter.calls) == 1  # cached
-    (source / "w8a8_cpu_cache.json").write_text('{"format": 3}')  # the float cache was rebuilt: convert again
-    assert ctranslate2_int8(source) == target and len(FakeConverter.calls) == 2
-    assert _folders(source.parent) == [source.name, target.name]
+    other = source.parent / "smollm2-135m-instruct-0123"  # another float cache (another GGUF): its own conversion
+    shutil.copytree(source, other)
+    assert ctranslate2_int8(other) != target and len(FakeConverter.calls) == 2
+    assert (target / "model.bin").read_text() == "int8 weights", "the first conversion is left as it was"
 
 
 def test_ctranslate2_conversion_never_publishes_half_a_model(fake_ctranslate2):
@@ -181,12 +184,11 @@ def test_ctranslate2_conversion_never_publishes_half_a_model(fake_ctranslate2):
     with pytest.raises(RuntimeError, match="converter died"):
         ctranslate2_int8(source)
     assert _folders(source.parent) == [source.name], "neither the target nor the staging folder exists"
-    # a folder of the target's name without the stamp (another tool's, or an old crash) is not a finished conversion
-    stale = source.parent / "smollm2-135m-instruct-ctranslate2-9.9.9-int8"
-    stale.mkdir()
-    (stale / "model.bin").write_text("half")
     FakeConverter.fail = False
-    assert ctranslate2_int8(source) == stale and (stale / "model.bin").read_text() == "int8 weights"
+    target = ctranslate2_int8(source)
+    (target / "model.bin").write_text("trunc")  # damaged since: not the size its marker lists, so rebuilt
+    assert ctranslate2_int8(source) == target and (target / "model.bin").read_text() == "int8 weights"
+    assert len(FakeConverter.calls) == 3
 
 
 # --------------------------------------------------------------------------------------------------- measurement

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,7 +199,7 @@ def test_perplexity_windows_score_each_token_at_most_once_with_context(n, window
 
 
 _CACHE_USER = r"""
-import json, shutil, sys, time
+import sys, time
 from pathlib import Path
 from w8a8_cpu.llm import smollm2
 
@@ -206,13 +207,12 @@ gguf, log = Path(sys.argv[1]), Path(sys.argv[2])
 smollm2.gguf_path = lambda: gguf
 
 
-def slow_build(gguf, target):  # stands in for the ~1 min dequantization; logs when it runs
+def slow_build(gguf, staging):  # stands in for the ~1 min dequantization; logs when it runs
     with open(log, "a") as f:
         f.write(f"start {time.monotonic()}\n")
     time.sleep(0.5)
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    (target / "w8a8_cpu_cache.json").write_text(json.dumps(smollm2._cache_key(gguf)))
+    for name in smollm2._REQUIRED:
+        (staging / name).write_text(name)
     with open(log, "a") as f:
         f.write(f"end {time.monotonic()}\n")
 
@@ -234,11 +234,15 @@ def test_concurrent_first_use_builds_the_cache_once(tmp_path):
              for _ in range(3)]
     outputs = communicate_all(users, 120, "three concurrent first uses")
     assert [user.returncode for user in users] == [0, 0, 0], outputs
-    assert {out.strip() for out, _ in outputs} == {str(tmp_path / "cache" / "smollm2-135m-instruct")}
+    (folder,) = {out.strip() for out, _ in outputs}
+    assert Path(folder).parent == tmp_path / "cache" and Path(folder).name.startswith("smollm2-135m-instruct-")
     assert [line.split()[0] for line in log.read_text().splitlines()] == ["start", "end"]
-    # A second use finds it fresh; a changed model file makes it stale, and it is rebuilt.
-    subprocess.run([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, check=True, timeout=120)
+    # A second use finds it complete, also after the file's mtime changed (another installation of the same package:
+    # same bytes); other bytes are other content: a folder of their own, the first one left as it was.
+    os.utime(gguf, ns=(1, 1))
+    run = [*python_command(), "-c", _CACHE_USER, str(gguf), str(log)]
+    assert subprocess.run(run, env=env, check=True, timeout=120, capture_output=True, text=True).stdout.strip() == folder
     assert len(log.read_text().splitlines()) == 2
     gguf.write_bytes(b"GGUF v2")
-    subprocess.run([*python_command(), "-c", _CACHE_USER, str(gguf), str(log)], env=env, check=True, timeout=120)
-    assert len(log.read_text().splitlines()) == 4
+    second = subprocess.run(run, env=env, check=True, timeout=120, capture_output=True, text=True).stdout.strip()
+    assert second != folder and len(log.read_text().splitlines()) == 4 and Path(folder, "config.json").is_file()

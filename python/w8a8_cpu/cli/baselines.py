@@ -2,9 +2,6 @@
 an inference engine of its own: its models are converted checkpoints, cached here)."""
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -24,48 +21,25 @@ def ao_dynamic(model: torch.nn.Module, skip: Sequence[str] = ()) -> torch.nn.Mod
         return quantize_dynamic(model, spec, dtype=torch.qint8)
 
 
-CTRANSLATE2_STAMP = "w8a8_cpu_ctranslate2.json"  # in a finished conversion: what it was converted from, and by what
-
-
 def ctranslate2_int8(source: Path, progress=None) -> Path:
     """A CTranslate2 int8 conversion of the transformers checkpoint folder `source` (ctranslate2's
-    TransformersConverter), cached in a sibling folder named after the ctranslate2 version and rebuilt when the
-    source's own cache stamp (w8a8_cpu_cache.json) changes. Built under a temporary name and renamed into place, one
-    builder at a time, so a half-written conversion is never used. Raises ImportError without ctranslate2."""
+    TransformersConverter; source is a content-addressed cache folder), cached as a folder of its own keyed by the
+    ctranslate2 version and the source folder (w8a8_cpu.llm.cache: built once under a staging name, published whole).
+    Raises ImportError without ctranslate2."""
     import ctranslate2
     from ctranslate2.converters import TransformersConverter
 
-    from w8a8_cpu.llm.smollm2 import _exclusive  # the same one-builder-at-a-time lock as the float cache's
+    from w8a8_cpu.llm import cache
 
     source = Path(source)
-    target = source.parent / f"{source.name}-ctranslate2-{ctranslate2.__version__}-int8"
-    key = {"ctranslate2": ctranslate2.__version__, "quantization": "int8",
-           "source": (source / "w8a8_cpu_cache.json").read_text()}
+    key = {"ctranslate2": ctranslate2.__version__, "quantization": "int8", "source": source.name}
 
-    def fresh() -> bool:
-        try:
-            return json.loads((target / CTRANSLATE2_STAMP).read_text()) == key
-        except (OSError, ValueError):
-            return False
-
-    if fresh():
-        return target
-    with _exclusive(target, progress):
-        if fresh():  # whoever held the lock before us may have built it
-            return target
-        if progress is not None:
-            progress.note(f"first use: converting {source.name} to CTranslate2 int8 in {target} (once)")
-        staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-        try:
-            # force: the staging folder exists already (mkdtemp made it, so its name is ours alone)
+    def build(staging: Path) -> None:
+        with cache.in_use(source):  # force: the staging folder exists already (its name is ours alone)
             TransformersConverter(str(source)).convert(str(staging), quantization="int8", force=True)
-            (staging / CTRANSLATE2_STAMP).write_text(json.dumps(key))
-            if target.exists():
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return cache.ensure(f"{source.name}-ctranslate2-int8", key, ("config.json", "model.bin"), build,
+                        f"converting {source.name} to CTranslate2 int8", progress)
 
 
 def ctranslate2_generator(model_dir: Path, threads: int):

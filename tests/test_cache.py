@@ -1,0 +1,169 @@
+"""The shared model cache (w8a8_cpu.llm.cache) with odd files where it expects its own: links, FIFOs, /dev/zero,
+truncated or missing files, folders left by interrupted builders, folders of other installations. Each case is
+bounded by an alarm, so a regression that blocks (a FIFO opened for reading) fails instead of hanging the suite."""
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from w8a8_cpu.llm import cache
+
+KEY = {"format": 1, "source": "abc"}
+REQUIRED = ("config.json", "model.safetensors")
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    monkeypatch.setenv("W8A8_CPU_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def deadline():
+    def expired(*_):
+        raise TimeoutError("the cache blocked")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+class Builder:
+    """build(staging): writes the required files (model.safetensors of `size` bytes); counts its calls."""
+
+    def __init__(self, files=REQUIRED, size=100):
+        self.files, self.size, self.calls = files, size, 0
+
+    def __call__(self, staging):
+        self.calls += 1
+        for name in self.files:
+            (staging / name).write_bytes(b"x" * (self.size if name == "model.safetensors" else 2))
+
+
+def ensure(builder, key=KEY):
+    return cache.ensure("model", key, REQUIRED, builder, "building")
+
+
+def test_published_whole_readable_by_all_and_reused(root):
+    builder = Builder()
+    folder = ensure(builder)
+    assert folder.parent == root and folder.name == cache.folder_name("model", KEY)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*REQUIRED, cache.MARKER])
+    assert all((p.stat().st_mode & 0o777) == 0o644 for p in folder.iterdir())
+    assert (folder.stat().st_mode & 0o777) == 0o755
+    marker = json.loads((folder / cache.MARKER).read_text())
+    assert marker == {"key": KEY, "files": {"config.json": 2, "model.safetensors": 100}}
+    assert ensure(builder) == folder and builder.calls == 1
+    assert [p.name for p in root.iterdir() if p.is_dir()] == [folder.name], "no staging folder left"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "marker FIFO", "marker /dev/zero", "marker deep",
+                                    "marker other key"])
+def test_damaged_folder_is_rebuilt_once(root, damage):
+    builder = Builder()
+    folder = ensure(builder)
+    if damage == "truncated":
+        os.truncate(folder / "model.safetensors", 10)
+    elif damage == "missing":
+        (folder / "config.json").unlink()
+    else:
+        (folder / cache.MARKER).unlink()
+        if damage == "marker FIFO":
+            os.mkfifo(folder / cache.MARKER)
+        elif damage == "marker /dev/zero":
+            os.symlink("/dev/zero", folder / cache.MARKER)
+        elif damage == "marker deep":
+            (folder / cache.MARKER).write_text("[" * 30000 + "]" * 30000)
+        else:
+            (folder / cache.MARKER).write_text(json.dumps({"key": {"format": 0}, "files": {}}))
+    assert not cache.is_complete(folder, KEY, REQUIRED)
+    assert ensure(builder) == folder and builder.calls == 2
+    assert cache.is_complete(folder, KEY, REQUIRED)
+
+
+def test_builder_that_leaves_files_out_is_named(root):
+    with pytest.raises(ValueError, match=r"model-[0-9a-f]{16}: still incomplete after a rebuild .*model.safetensors"):
+        ensure(Builder(files=("config.json",)))
+
+
+def test_interrupted_builder_leaves_nothing_behind(root):
+    def dies(staging):
+        (staging / "model.safetensors").write_bytes(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ensure(dies)
+    assert [p.name for p in root.iterdir() if p.is_dir()] == []
+    # a builder killed outright (no finally) leaves its staging folder: the next build sweeps it, under the lock
+    killed = root / ".staging-model-x.abc"
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"x" * 1000)
+    ensure(Builder())
+    assert not killed.exists()
+
+
+@pytest.mark.parametrize("odd", ["symlink to a file", "FIFO"])
+def test_odd_build_lock_refused_without_harm(root, odd, tmp_path):
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    lock = root / ".build.lock"
+    if odd == "FIFO":
+        os.mkfifo(lock)
+    else:
+        os.symlink(victim, lock)
+    message = "is not a regular file" if odd == "FIFO" else "is a symbolic link"
+    with pytest.raises(ValueError, match=rf"\.build\.lock: {message}"):
+        ensure(Builder())
+    assert victim.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("odd", ["file", "symlink"])
+def test_target_that_is_not_a_folder_is_named(root, odd, tmp_path):
+    root.mkdir()
+    target = root / cache.folder_name("model", KEY)
+    if odd == "file":
+        target.write_text("not a folder")
+    else:
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        target.symlink_to(elsewhere)
+    with pytest.raises(ValueError, match=rf"{target.name}: is not a cache folder \(a link or a file\); delete it"):
+        ensure(Builder())
+    assert target.is_symlink() or target.read_text() == "not a folder"
+
+
+def test_cache_root_that_is_a_file_is_named(root):
+    root.write_text("x")
+    with pytest.raises(ValueError, match="the cache root"):
+        ensure(Builder())
+
+
+def test_other_installations_folders_kept_until_stale_and_unused(root):
+    """Another key is another installation's content: kept while recently used, swept when unused for STALE_DAYS,
+    but never while a reader holds it."""
+    other, busy, recent = ({"format": 1, "source": s} for s in ("old", "busy", "new"))
+    folders = {name: ensure(Builder(), key) for name, key in (("old", other), ("busy", busy), ("recent", recent))}
+    long_ago = time.time() - (cache.STALE_DAYS + 1) * 86400
+    for name in ("old", "busy"):
+        os.utime(folders[name], (long_ago, long_ago))
+    with cache.in_use(folders["busy"]):
+        os.utime(folders["busy"], (long_ago, long_ago))  # in_use marks it used: make it look stale anyway
+        ensure(Builder())  # a build sweeps
+    assert not folders["old"].exists()
+    assert cache.is_complete(folders["busy"], busy, REQUIRED) and cache.is_complete(folders["recent"], recent, REQUIRED)
+
+
+def test_reader_lock_is_shared_and_blocks_the_sweep_only(root):
+    folder = ensure(Builder())
+    lock = root / f".{folder.name}.lock"
+    with cache.in_use(folder), cache.in_use(folder):  # readers share it
+        fd = os.open(lock, os.O_RDWR)
+        with contextlib.closing(os.fdopen(fd)), pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

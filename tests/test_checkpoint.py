@@ -1,11 +1,14 @@
 """W8A8 checkpoints: save_compressed / load_quantized round trips on tiny dense and MoE models, interop with the
 compressed-tensors library and transformers in both directions, sglang's w8a8_int8 layout, refusal of schemes the
 kernels cannot run exactly, and validation of malformed (untrusted) checkpoint files."""
+import contextlib
 import copy
 import json
 import os
 import re
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -579,7 +582,7 @@ def test_zero_heads_refused(checkpoint, field):
     """transformers divides by these while building the config or the model: ZeroDivisionError becomes ValueError."""
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(json.dumps({**config, field: 0}))
-    with pytest.raises(ValueError, match="config.json: (not a valid|no causal LM)"):
+    with pytest.raises(ValueError, match="config.json: (not a valid|no causal LM|num_.*_heads must be an integer in)"):
         load_quantized(checkpoint)
 
 
@@ -677,4 +680,77 @@ def test_malformed_int8_embedding_flag_refused(entry, tmp_path):
     config["w8a8_cpu"] = json.loads(entry)
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match='config.json: "w8a8_cpu" must be'):
+        load_quantized(tmp_path)
+
+
+# ---- files that are not what they claim (reliability round 2) ---------------------------------------------------
+
+@contextlib.contextmanager
+def deadline(seconds=20):
+    """A regression that blocks (a FIFO opened for reading) fails the test instead of hanging the suite."""
+    def expired(*_):
+        raise TimeoutError("blocked")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", INDEX_FILE])
+@pytest.mark.parametrize("odd,message", [("fifo", "is not a regular file"), ("/dev/zero", "is not a regular file"),
+                                         ("deep", "nested too deeply"), ("digits", "cannot be read as JSON"),
+                                         ("huge", "larger than")])
+def test_odd_json_files_refused_naming_them(sharded, name, odd, message):
+    """A FIFO, a link to /dev/zero, 100000-deep nesting, a 5000-digit integer, a file beyond the size bound: a
+    ValueError naming the file, at once (no hang, no memory exhaustion, no RecursionError)."""
+    path = sharded / name
+    path.unlink(missing_ok=True)
+    if odd == "fifo":
+        os.mkfifo(path)
+    elif odd == "/dev/zero":
+        os.symlink("/dev/zero", path)
+    elif odd == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif odd == "digits":
+        path.write_text('{"vocab_size": ' + "9" * 5000 + "}")
+    else:
+        with open(path, "wb") as f:
+            f.truncate((1 << 26) + 1)
+    with deadline(), pytest.raises(ValueError, match=rf"{re.escape(name)}: .*{message}"):
+        load_quantized(sharded)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "64"), ("hidden_size", 64.5), ("hidden_size", 1e400),
+                                         ("hidden_size", True), ("vocab_size", 0), ("num_hidden_layers", 100000),
+                                         ("tie_word_embeddings", "yes")])
+def test_wrong_typed_config_values_refused_naming_config(checkpoint, field, value):
+    config = json.loads((checkpoint / "config.json").read_text())
+    config[field] = value
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"config.json: {field} must be"):
+        load_quantized(checkpoint)
+
+
+def test_layer_count_beyond_the_weights_refused_before_building(checkpoint):
+    """num_hidden_layers larger than the layers the headers hold: refused from the headers, before a model of that
+    many layers is built (1000 layers would take seconds and memory; this must be quick)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["num_hidden_layers"] = 1000
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"config.json: num_hidden_layers is 1000, but the weights hold layers 0\.\.1"):
+        load_quantized(checkpoint)
+    assert time.monotonic() - start < 5
+
+
+def test_expert_count_beyond_the_weights_refused(quantized, tmp_path):
+    save_compressed(quantized("qwen3_moe"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_local_experts"] = 60000
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: num_local_experts is 60000, but the weights hold experts 0\.\.3"):
         load_quantized(tmp_path)

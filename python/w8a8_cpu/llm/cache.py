@@ -22,7 +22,6 @@ The cache root is $W8A8_CPU_CACHE, else $XDG_CACHE_HOME/w8a8_cpu, else ~/.cache/
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
 import hashlib
@@ -34,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
+
+from .._files import open_regular, read_json_object
 
 MARKER = "w8a8_cpu_cache.json"  # written last: a folder without a valid one is incomplete
 _MAX_MARKER_BYTES = 1 << 16
@@ -69,24 +70,9 @@ def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
     return h.hexdigest()
 
 
-def _open_regular(path: Path, flags: int) -> int:
-    """A descriptor of the regular file at path (created when O_CREAT is in flags); never follows a link, never
-    blocks on a FIFO, never truncates. ValueError naming the path otherwise."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ValueError(f"{path}: is a symbolic link; the cache uses no links (delete it)") from None
-        raise ValueError(f"{path}: cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"{path}: is not a regular file (delete it)")
-    return fd
-
-
 @contextlib.contextmanager
 def _locked(path: Path, mode: int, waiting: Optional[Callable[[], None]] = None) -> Iterator[None]:
-    fd = _open_regular(path, os.O_RDWR | os.O_CREAT)
+    fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow_links=False)
     try:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -112,20 +98,12 @@ def _checked_root(where: Path) -> Path:
 
 
 def read_marker(folder: Path) -> Optional[dict]:
-    """The folder's completeness marker, or None when it is missing, not a regular file, too large or not JSON."""
+    """The folder's completeness marker, or None when it is missing, a link, not a regular file, too large or not a
+    JSON object."""
     try:
-        fd = _open_regular(folder / MARKER, os.O_RDONLY)
+        return read_json_object(folder / MARKER, _MAX_MARKER_BYTES, follow_links=False)
     except ValueError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(_MAX_MARKER_BYTES + 1)
-    if len(data) > _MAX_MARKER_BYTES:
-        return None
-    try:
-        marker = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    return marker if isinstance(marker, dict) else None
 
 
 def is_complete(folder: Path, key: dict, required: Iterable[str]) -> bool:
@@ -220,7 +198,7 @@ def _sweep(base: Path, keep: Path) -> None:
             continue  # not a cache folder of ours (no marker), or used recently
         lock = base / f".{entry.name}.lock"
         try:
-            fd = _open_regular(lock, os.O_RDWR | os.O_CREAT)
+            fd = open_regular(lock, os.O_RDWR | os.O_CREAT, follow_links=False)
         except ValueError:
             continue
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .._files import read_json_object
 from ..nn import (W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
 
@@ -456,14 +458,14 @@ def _read_scheme(config_dict: dict, where: str) -> _Scheme:
 
 # ---- checkpoint files (read) -----------------------------------------------------------------------------------
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot be read as JSON ({type(e).__name__})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
+# Largest config.json / generation_config.json and index a checkpoint may have (the largest real ones are ~100 KB and
+# a few MB); anything larger is refused before it is read.
+_MAX_CONFIG_BYTES = 1 << 24
+_MAX_INDEX_BYTES = 1 << 26
+
+
+def _read_json(path: Path, max_bytes: int = _MAX_CONFIG_BYTES) -> dict:
+    return read_json_object(path, max_bytes)
 
 
 def _weight_map(directory: Path) -> Dict[str, str]:
@@ -476,7 +478,7 @@ def _weight_map(directory: Path) -> Dict[str, str]:
         if not single.is_file():
             raise ValueError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
         return {}  # filled from the file's own header by _StoredTensors
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = _read_json(index, _MAX_INDEX_BYTES).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index}: weight_map is missing or not a non-empty object")
     for key, file_name in weight_map.items():
@@ -657,16 +659,57 @@ class _Loader:
                 module.register_buffer(leaf, value)
 
 
+# The config.json sizes that decide shapes, time and memory before any tensor is read: positive ints (not bools,
+# not floats), at most these bounds (far above any real model). A flag must be a JSON bool.
+_CONFIG_SIZES = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "moe_intermediate_size": 1 << 22,
+                 "shared_expert_intermediate_size": 1 << 22, "num_hidden_layers": 1 << 10,
+                 "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "head_dim": 1 << 14,
+                 "vocab_size": 1 << 24, "max_position_embeddings": 1 << 26, "num_local_experts": 1 << 16,
+                 "num_experts": 1 << 16, "num_experts_per_tok": 1 << 16}
+_CONFIG_FLAGS = ("tie_word_embeddings",)
+
+
+def _check_config_values(config_dict: dict, where: str) -> None:
+    for key, bound in _CONFIG_SIZES.items():
+        value = config_dict.get(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= bound):
+            raise ValueError(f"{where}: {key} must be an integer in [1, {bound}], got {_echo(value)}")
+    for key in _CONFIG_FLAGS:
+        if key in config_dict and type(config_dict[key]) is not bool:
+            raise ValueError(f"{where}: {key} must be true or false, got {_echo(config_dict[key])}")
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d{1,9})\.")
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d{1,9})\.")
+
+
+def _check_against_headers(config, names: Sequence[str], where: str) -> None:
+    """The config's layer and expert counts against the tensor names of the headers (largest index + 1), in time
+    linear in the headers: a count the weights do not back would build a model (time, memory) before any tensor is
+    found missing. (More layers or experts in the weights than declared are tensors of no part of the model: the
+    load reports them after.)"""
+    layers = {int(m.group(1)) for m in map(_LAYER_INDEX.search, names) if m}
+    declared = getattr(config, "num_hidden_layers", None)
+    if isinstance(declared, int) and layers and declared > max(layers) + 1:
+        raise ValueError(f"{where}: num_hidden_layers is {declared}, but the weights hold layers 0..{max(layers)}")
+    experts = {int(m.group(1)) for m in map(_EXPERT_INDEX.search, names) if m}
+    for key in ("num_local_experts", "num_experts"):
+        declared = getattr(config, key, None)
+        if isinstance(declared, int) and experts and declared > max(experts) + 1:
+            raise ValueError(f"{where}: {key} is {declared}, but the weights hold experts 0..{max(experts)}")
+
+
 def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
     from transformers import CONFIG_MAPPING
 
     model_type = config_dict.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(f"{where}: model_type is {_echo(model_type)}; expected a model type this transformers knows")
+    _check_config_values(config_dict, where)
     architecture = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     try:
         config = CONFIG_MAPPING[model_type].from_dict(architecture)
-    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as e:  # parsing an untrusted file
+    except Exception as e:  # noqa: BLE001 - parsing an untrusted file (huggingface_hub's validation errors too)
         raise ValueError(f"{where}: not a valid {model_type} config ({type(e).__name__}: {_echo(str(e))})") from None
     if dtype is None:
         stored = config_dict.get("dtype", config_dict.get("torch_dtype")) or "float32"
@@ -755,6 +798,7 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
     config, dtype = _model_config(config_dict, str(config_file), dtype)
     with contextlib.ExitStack() as stack:
         tensors = _StoredTensors(directory, stack)
+        _check_against_headers(config, list(tensors.unused), str(config_file))
         try:
             model = _empty_model(config, dtype)
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
@@ -785,10 +829,11 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
     if left:
         raise ValueError(f"{directory}: the checkpoint does not provide {_listing(left)}")
     generation_file = directory / "generation_config.json"
-    if generation_file.exists():
+    if os.path.lexists(generation_file):
+        settings = _read_json(generation_file)
         try:
-            model.generation_config = GenerationConfig.from_pretrained(directory)
-        except (OSError, ValueError, TypeError) as e:
+            model.generation_config = GenerationConfig.from_dict(settings)
+        except Exception as e:  # noqa: BLE001 - any failure to parse an untrusted file is that file's error
             raise ValueError(f"{generation_file}: not a valid generation config ({type(e).__name__})") from None
     return model.eval(), shards
 

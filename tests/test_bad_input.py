@@ -72,7 +72,23 @@ CASES = [
     ("quantize_weight int", lambda d: w8a8_cpu.quantize_weight(d["w"]), "w: expected a floating-point"),
     ("quantize_weight 1-D", lambda d: w8a8_cpu.quantize_weight(d["x"][0]), "w: expected a non-empty 2-D"),
     ("unknown variant", lambda d: w8a8_cpu.use_variant("bogus").__enter__(), "is not a variant compiled"),
+    # weight-side values must be finite in every op (activation-side NaN gives NaN rows instead)
+    ("w_scale NaN", lambda d: mm(d, w_scale=nan_at(d["w_scale"], 3)), "w_scale: element 3 is nan"),
+    ("w_scale Inf fused", lambda d: fused(d, w_scale=nan_at(d["w_scale"], 0, float("inf"))), "w_scale: element 0 is inf"),
+    ("w_scale NaN packed", lambda d: fused(d, w=w8a8_cpu.pack_weight(d["w"]), w_scale=nan_at(d["w_scale"], 7)),
+     "w_scale: element 7 is nan"),
+    ("bias -Inf", lambda d: fused(d, bias=nan_at(torch.zeros(N), 5, float("-inf"))), "bias: element 5 is -inf"),
+    ("gated w_scale NaN", lambda d: w8a8_cpu.int8_gated_mm_with_quant(d["x"], d["w"], nan_at(d["w_scale"], 1)),
+     "w_scale: element 1 is nan"),
+    ("scale_accumulators w_scale NaN", lambda d: w8a8_cpu.scale_accumulators(
+        w8a8_cpu.int8_mm(d["x_q"], d["w"]), d["x_scale"], nan_at(d["w_scale"], 2)), "w_scale: element 2 is nan"),
 ]
+
+
+def nan_at(t, i, value=float("nan")):
+    t = t.clone()
+    t.view(-1)[i] = value
+    return t
 
 
 @pytest.mark.parametrize("call,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

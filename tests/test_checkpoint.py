@@ -754,3 +754,17 @@ def test_expert_count_beyond_the_weights_refused(quantized, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"config.json: num_local_experts is 60000, but the weights hold experts 0\.\.3"):
         load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("key,value", [("model.norm.weight", float("nan")), ("model.embed_tokens.weight", float("inf")),
+                                       ("model.layers.0.input_layernorm.weight", 1e6)])
+def test_non_finite_float_tensors_refused(checkpoint, key, value):
+    """NaN/Inf in a float tensor (or a value beyond the load dtype's range: 1e6 in float16) would make every logit
+    NaN: the load names the tensor instead."""
+    def poison(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+
+    edit_tensors(checkpoint, poison)
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(key)}' holds NaN or Inf values \(as float16\)"):
+        load_quantized(checkpoint, dtype=torch.float16)

@@ -155,3 +155,19 @@ def test_prompt_attention_equals_sdpa(t):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(_causal_attention(q, k, v, 0.3), expected[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["w_scale", "bias"])
+def test_load_state_dict_refuses_non_finite_weight_side_values(name):
+    """load_state_dict into a built W8A8Linear checks what its constructor checks: NaN/Inf scales or bias refused,
+    naming the key, and the layer is left as it was."""
+    from w8a8_cpu.nn import W8A8Linear
+
+    layer = W8A8Linear.from_linear(torch.nn.Linear(32, 8))
+    before = layer.w_scale.clone()
+    state = layer.state_dict()
+    state[name] = state[name].clone()
+    state[name][2] = float("inf") if name == "bias" else float("nan")
+    with pytest.raises(ValueError, match=rf"^{name}: contains NaN or Inf"):
+        layer.load_state_dict(state)
+    assert torch.equal(layer.w_scale, before)

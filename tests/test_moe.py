@@ -162,3 +162,13 @@ def test_fused_experts_bad_input(call, fragment, gen):
     with pytest.raises((ValueError, RuntimeError)) as exc:
         call(args)
     assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("which", ["w13_scale", "w2_scale"])
+def test_non_finite_expert_scales_refused(gen, which):
+    """Weight-side values are finite in every op: a NaN expert scale is a ValueError naming it and the element."""
+    args = make_moe(4, 32, 16, 4, 2, gen)
+    bad = args[which].clone()
+    bad[1, 5] = float("nan")
+    with pytest.raises(ValueError, match=rf"{which}: element {bad.shape[1] + 5} is nan"):
+        run(args, **{which: bad})

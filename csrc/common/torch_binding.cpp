@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <mutex>
 #include <sstream>
@@ -71,6 +73,24 @@ at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, co
                     arg, ": expected shape [", rows, "] or [", rows, ", 1] (one scale per ", what, "), got ",
                     s.sizes());
   return s.contiguous();
+}
+
+// Weight-side fp32 values (weight scales, bias) must be finite: one NaN there poisons a column of every output row,
+// which the activation-side rule (a non-finite row of x gives that row NaN, every other row exact) cannot express.
+// O(N) per call against the O(N * K) weight read.
+void check_finite_weight_side(const at::Tensor& fp32, const char* arg) {
+  const float* p = fp32.data_ptr<float>();
+  const int64_t n = fp32.numel();
+  uint32_t all_exponents = 0;  // exponent bits all ones in any value: NaN or Inf (a branch-free, vectorized pass)
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, 4);
+    all_exponents |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  if (all_exponents == 0) return;
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_VALUE(std::isfinite(p[i]), arg, ": element ", i, " is ", p[i],
+                      "; weight scales and bias must be finite");
 }
 
 // Driver scratch: a buffer of the calling thread, grown on demand and kept between calls (a fresh multi-MB buffer
@@ -253,6 +273,8 @@ struct WeightOperand {
       : WeightOperand(w, k) {
     scales = checked_scales(w_scale, n(), "w_scale", "output channel");
     bias = checked_bias(b, n());
+    check_finite_weight_side(scales, "w_scale");
+    if (bias.defined()) check_finite_weight_side(bias, "bias");
   }
   int64_t n() const { return view.header.n; }
 };
@@ -358,6 +380,7 @@ at::Tensor scale_accumulators_op(const at::Tensor& acc, const at::Tensor& x_scal
   const FloatKind out_kind = float_kind(out_dtype.value_or(at::kFloat), "out_dtype");
   const at::Tensor xs = checked_scales(x_scale, m, "x_scale", "row of acc");
   const at::Tensor ws = checked_scales(w_scale, n, "w_scale", "output channel");
+  check_finite_weight_side(ws, "w_scale");
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, acc.options().dtype(out_dtype.value_or(at::kFloat)));
   scale_accumulators(acc.data_ptr<int32_t>(), m, n, acc.stride(0),
@@ -495,6 +518,8 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
   check_k(h, "hidden");
   const at::Tensor s13 = checked_expert_scales(w13_scale, "w13_scale");
   const at::Tensor s2 = checked_expert_scales(w2_scale, "w2_scale");
+  check_finite_weight_side(s13, "w13_scale");
+  check_finite_weight_side(s2, "w2_scale");
   const int64_t experts = s13.size(0), inter2 = s13.size(1);
   TORCH_CHECK_VALUE(experts > 0, "w13_scale: number of experts (dim 0) must be > 0");
   TORCH_CHECK_VALUE(inter2 > 0 && inter2 % 2 == 0, "w13_scale: dim 1 must be 2 * intermediate size (gate rows then "

@@ -550,8 +550,13 @@ class _StoredTensors:
 
     def floating(self, key: str, shape: Sequence[int], dtype: torch.dtype,
                  rows: Optional[slice] = None) -> torch.Tensor:
-        return self._take(key, tuple(_FLOAT_DTYPES), [shape], "a float tensor",
-                          None if rows is None else (rows,)).to(dtype)
+        """A float tensor in `dtype`, every value finite (a NaN or Inf weight, or one beyond `dtype`'s range, would
+        make every logit NaN)."""
+        tensor = self._take(key, tuple(_FLOAT_DTYPES), [shape], "a float tensor",
+                            None if rows is None else (rows,)).to(dtype)
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{self._where(key)} holds NaN or Inf values (as {str(dtype).removeprefix('torch.')})")
+        return tensor
 
     def scale(self, key: str, channels: int, strategy: str, rows: Optional[slice] = None) -> torch.Tensor:
         """fp32 weight scales of the `channels` output channels, or of their part `rows`, stored [n, 1] or [n]

@@ -21,6 +21,14 @@ class _Fp32Scales(torch.nn.Module):
 
     _fp32_buffers: tuple = ()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # weight-side values loaded into a built layer: refused as at construction (_finite_fp32), before any is set
+        for name in (*self._fp32_buffers, "bias"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"{prefix}{name}: contains NaN or Inf")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _apply(self, fn, *args, **kwargs):
         before = {name: getattr(self, name) for name in self._fp32_buffers}
         super()._apply(fn, *args, **kwargs)

@@ -768,3 +768,30 @@ def test_non_finite_float_tensors_refused(checkpoint, key, value):
     edit_tensors(checkpoint, poison)
     with pytest.raises(ValueError, match=rf"tensor '{re.escape(key)}' holds NaN or Inf values \(as float16\)"):
         load_quantized(checkpoint, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("pattern", ["re:([a-z._0-9]+)+#", "re:(a|a)*b", "re:(?:x*)*y", "re:((q)+_proj){2,}"])
+def test_exponential_regex_targets_refused(checkpoint, pattern):
+    """A `re:` entry that nests repetition would backtrack exponentially on a layer name: refused at once, naming it."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["ignore"] = [pattern]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with deadline(), pytest.raises(ValueError, match=r"ignore entry .* repeats a group that itself repeats"):
+        load_quantized(checkpoint)
+
+
+def test_many_or_long_targets_bounded(checkpoint):
+    """20000 entries (each was compiled per layer: 17 s) or a 10000-character one: refused naming the field; 1000
+    regex entries load quickly (compiled once)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    qc = config["quantization_config"]
+    for ignore, message in ((["x"] * 20000, "ignore length is 20000"), (["x" * 10000], "ignore entry is 'xxx.*at most 512 characters")):
+        qc["ignore"] = ignore
+        (checkpoint / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_quantized(checkpoint)
+    qc["ignore"] = [f"re:.*nothing_{i}$" for i in range(1000)] + ["lm_head"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    load_quantized(checkpoint)
+    assert time.monotonic() - start < 10

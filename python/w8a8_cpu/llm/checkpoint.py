@@ -16,6 +16,11 @@ import json
 import os
 import re
 from dataclasses import dataclass
+
+try:  # the regex parser, to refuse patterns that backtrack exponentially
+    from re import _parser as _re_parser
+except ImportError:  # Python < 3.11
+    import sre_parse as _re_parser
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -307,9 +312,20 @@ class _Scheme:
     ignore: Tuple[str, ...]
     by_stored_dtype: bool  # sglang w8a8_int8: a layer is W8A8 iff its weight is stored int8
 
+    def __post_init__(self):
+        # every `re:` entry compiled once (re's own cache holds 512: more entries would be recompiled per layer)
+        names = (*self.targets, *self.ignore)
+        object.__setattr__(self, "_patterns", {t: re.compile(t[3:]) for t in names if t.startswith("re:")})
+        object.__setattr__(self, "_ordered", sorted(self.targets, key=lambda t: ("re:" in t, t)))
+
+    def _name_matches(self, target: str, name: str) -> bool:
+        pattern = self._patterns.get(target)
+        return pattern.match(name) is not None if pattern is not None else target == name
+
     def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]) -> Optional[str]:
         """The layer's weight strategy, or None when the checkpoint keeps it float."""
-        ignored = any(_target_matches(t, layer, classes) for t in self.ignore)
+        # compressed-tensors' rule: an exact module name, a `re:` regex matched at the name's start, or a class name
+        ignored = any(self._name_matches(t, layer) or t in classes for t in self.ignore)
         if self.by_stored_dtype:
             if stored_dtype == "I8" and ignored:
                 raise ValueError(f"{self.where}: layer {_echo(layer)} is in `ignore` but its weight is stored int8")
@@ -317,20 +333,10 @@ class _Scheme:
         if ignored:
             return None
         # compressed-tensors' precedence: exact names, then regexes (each sorted), then class names
-        ordered = sorted(self.targets, key=lambda t: ("re:" in t, t))
-        by_name = [t for t in ordered if _name_matches(t, layer)]
-        by_class = [t for t in ordered if t in classes and t not in by_name]
+        by_name = [t for t in self._ordered if self._name_matches(t, layer)]
+        by_class = [t for t in self._ordered if t in classes and t not in by_name]
         matched = by_name + by_class
         return self.targets[matched[0]] if matched else None
-
-
-def _name_matches(target: str, name: str) -> bool:
-    return re.match(target[3:], name) is not None if target.startswith("re:") else target == name
-
-
-def _target_matches(target: str, name: str, classes: Sequence[str]) -> bool:
-    """compressed-tensors' rule: an exact module name, a `re:` regex matched at the name's start, or a class name."""
-    return _name_matches(target, name) or target in classes
 
 
 def _require(condition: bool, where: str, field: str, value, supported: str) -> None:
@@ -345,16 +351,55 @@ def _check_fields(section: dict, known: Sequence[str], where: str, field: str) -
                          f"rather than guess what it changes (known: {', '.join(known)})")
 
 
+# Bounds on a checkpoint's target lists: real ones name a few dozen layers or patterns.
+_MAX_NAMES = 1024
+_MAX_NAME_CHARS = 512
+
+
+def _repeats_a_backtracker(parsed, repeated: bool = False) -> bool:
+    """Whether a parsed regex repeats (*, +, {m,n} with n > 1) a part that itself repeats or alternates: the shapes
+    (`(a+)+`, `(a|a)*`) on which a backtracking matcher takes exponential time."""
+    for op, arg in parsed:
+        if op in (_re_parser.MAX_REPEAT, _re_parser.MIN_REPEAT):  # (possessive repeats never backtrack into)
+            _, most, body = arg
+            many = most > 1
+            if many and repeated:
+                return True
+            if _repeats_a_backtracker(body, repeated or many):
+                return True
+        elif op is _re_parser.BRANCH:
+            if repeated:
+                return True
+            if any(_repeats_a_backtracker(alternative, repeated) for alternative in arg[1]):
+                return True
+        elif op is _re_parser.SUBPATTERN:
+            if _repeats_a_backtracker(arg[-1], repeated):
+                return True
+        elif op in (_re_parser.ASSERT, _re_parser.ASSERT_NOT):
+            if _repeats_a_backtracker(arg[1], repeated):
+                return True
+    return False
+
+
 def _check_names(value, where: str, field: str) -> Tuple[str, ...]:
-    """A list of compressed-tensors targets (names, `re:` regexes, class names), each regex compiled once here."""
+    """A list of compressed-tensors targets (names, `re:` regexes, class names), bounded in count and length; each
+    regex must compile and must not nest repetition (a pattern that backtracks exponentially on a layer name would
+    hang the load)."""
     _require(isinstance(value, list) and all(isinstance(v, str) for v in value), where, field, value,
              "expected a list of strings")
+    _require(len(value) <= _MAX_NAMES, where, f"{field} length", len(value), f"at most {_MAX_NAMES} entries")
     for target in value:
+        _require(len(target) <= _MAX_NAME_CHARS, where, f"{field} entry", target,
+                 f"at most {_MAX_NAME_CHARS} characters")
         if target.startswith("re:"):
             try:
-                re.compile(target[3:])
-            except re.error as e:
+                parsed = _re_parser.parse(target[3:])
+            except (re.error, RecursionError, OverflowError) as e:
                 raise ValueError(f"{where}: {field} entry {_echo(target)} is not a valid regex ({e})") from None
+            if _repeats_a_backtracker(parsed):
+                raise ValueError(f"{where}: {field} entry {_echo(target)} repeats a group that itself repeats or "
+                                 f"alternates, which can take exponential time to match; write it without nested "
+                                 f"repetition (e.g. re:.*q_proj)")
     return tuple(value)
 
 

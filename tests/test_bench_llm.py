@@ -46,11 +46,11 @@ def test_help_lists_bench_llm(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--threads", "0"], "must be positive"),
-    (["--new-tokens", "0"], "must be positive"),
-    (["--prefill-tokens", "-1"], "must be positive"),
-    (["--rounds", "0"], "must be positive"),
-    (["--threads", "x"], "invalid int value"),
+    (["--threads", "0"], "expected a positive integer, got 0"),
+    (["--new-tokens", "0"], "expected a positive integer"),
+    (["--prefill-tokens", "-1"], "expected a positive integer, got -1"),
+    (["--rounds", "0"], "expected a positive integer"),
+    (["--threads", "x"], "expected a positive integer, got 'x'"),
     (["--json", "/nonexistent-w8a8-dir/out.json"], "does not exist"),
 ])
 def test_bad_options_stop_before_any_work(argv, message, capsys, monkeypatch):

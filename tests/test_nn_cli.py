@@ -135,7 +135,27 @@ def test_cli_help_and_bad_args():
     assert r.returncode == 0 and "W8A8_CPU_ISA" in r.stdout and "--shape" in r.stdout
     r = subprocess.run([*python_command(), "-m", "w8a8_cpu", "--shape", "0", "1", "1"], capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 2 and "must be positive" in r.stderr
+    assert r.returncode == 2 and "expected a positive integer, got 0" in r.stderr
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["check", "--threads", "-1", "--no-bench"], {}, "--threads: expected a positive integer, got -1"),
+    (["check", "--threads", "0", "--no-bench"], {}, "--threads: expected a positive integer, got 0"),
+    (["check", "--shape", "1", "1", "131072"], {}, "K = 131072 exceeds 131071"),
+    (["check", "--shape", "1000000", "1000000", "100000"], {}, "the benchmark needs ~"),
+    (["llm", "--eval-tokens", "999999999"], {}, "--eval-tokens 999999999: /usr/share/common-licenses/GPL-3 has"),
+    (["bench", "--json", "/nonexistent-w8a8-dir/x.json"], {}, "folder /nonexistent-w8a8-dir does not exist"),
+    (["bench", "--plot", "/nonexistent-w8a8-dir/x.png"], {}, "folder /nonexistent-w8a8-dir does not exist"),
+    (["bench", "--threads", "2", "0"], {}, "expected a positive integer, got 0"),
+    (["check", "--no-bench"], {"W8A8_CPU_ISA": "bogus"}, "W8A8_CPU_ISA='bogus' is not a variant compiled"),
+])
+def test_bad_options_exit_2_before_any_work(argv, env, message):
+    """Every bad option or environment value: one line on stderr and exit 2 at once (no traceback, no model loaded,
+    no run whose results are lost at its end)."""
+    r = subprocess.run([*python_command(), "-m", "w8a8_cpu", *argv], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_quantized_model_survives_dtype_cast():

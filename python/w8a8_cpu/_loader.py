@@ -4,6 +4,7 @@ Everything in the package reaches the ops through `ops` (torch.ops.w8a8_cpu), so
 the library first."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -28,7 +29,12 @@ def _load_library() -> None:
 _load_library()
 ops = torch.ops.w8a8_cpu
 
+# Set instead of raising when the package is imported to run `python -m w8a8_cpu` (sys.argv[0] is "-m" while
+# runpy imports it): the command line reports it as a bad setting, one line and exit 2, not an import traceback.
+override_error = None
 try:  # first use applies $W8A8_CPU_ISA, so a bad value fails here, at import, naming the choices
     ops._info()
 except (RuntimeError, ValueError) as e:
-    raise ImportError(f"w8a8_cpu: {e}") from None
+    if sys.argv[:1] != ["-m"]:
+        raise ImportError(f"w8a8_cpu: {e}") from None
+    override_error = str(e)

@@ -15,6 +15,7 @@ import torch
 import w8a8_cpu
 
 from . import check as check_mod
+from .options import positive_int
 
 CHECK_DESCRIPTION = ("Report the CPU and the selected W8A8 kernel variant, check every runnable variant against the "
                      "exact reference, and benchmark the W8A8 linear against torch fp32 and torch.ao dynamic int8. "
@@ -44,13 +45,13 @@ def _parsers():
     sub = parser.add_subparsers(dest="command", metavar="{llm,demo,check,bench}")
     llm = sub.add_parser("llm", help="main job: W8A8 SmolLM2-135M (SmoothQuant) vs fp32 and torch.ao (perplexity, "
                          "KL, generation, size, speed)", description=LLM_DESCRIPTION)
-    llm.add_argument("--eval-tokens", type=int, default=4096, help="tokens of the evaluation text (default 4096)")
-    llm.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default 512)")
-    llm.add_argument("--stride", type=int, default=256, help="perplexity window stride (default 256)")
-    llm.add_argument("--calibration-tokens", type=int, default=1024,
+    llm.add_argument("--eval-tokens", type=positive_int, default=4096, help="tokens of the evaluation text (default 4096)")
+    llm.add_argument("--window", type=positive_int, default=512, help="perplexity window in tokens (default 512)")
+    llm.add_argument("--stride", type=positive_int, default=256, help="perplexity window stride (default 256)")
+    llm.add_argument("--calibration-tokens", type=positive_int, default=1024,
                      help="SmoothQuant calibration tokens (default 1024)")
-    llm.add_argument("--new-tokens", type=int, default=64, help="greedy generation length (default 64)")
-    llm.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    llm.add_argument("--new-tokens", type=positive_int, default=64, help="greedy generation length (default 64)")
+    llm.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     llm.add_argument("--no-bench", action="store_true", help="skip the prefill timing")
     llm.add_argument("--compile-decode", action="store_true",
                      help="also time W8A8 decode under torch.compile with a static KV cache (compiles for minutes)")
@@ -58,16 +59,16 @@ def _parsers():
     llm.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     demo = sub.add_parser("demo", help="W8A8 all-MiniLM-L6-v2 sentence embeddings vs fp32 (accuracy, size, speed)",
                           description=DEMO_DESCRIPTION)
-    demo.add_argument("--iters", type=int, default=2, help="timed encode calls per round, 3 rounds (default 2)")
-    demo.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    demo.add_argument("--iters", type=positive_int, default=2, help="timed encode calls per round, 3 rounds (default 2)")
+    demo.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     demo.add_argument("--no-bench", action="store_true", help="skip the encode timing")
     demo.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     check = sub.add_parser("check", help="CPU report, self-check of every variant, GEMM benchmark",
                            description=CHECK_DESCRIPTION)
-    check.add_argument("--shape", nargs=3, type=int, metavar=("M", "N", "K"), default=[32, 4096, 4096],
+    check.add_argument("--shape", nargs=3, type=positive_int, metavar=("M", "N", "K"), default=[32, 4096, 4096],
                        help="benchmark shape: tokens M, output features N, input features K (default 32 4096 4096)")
-    check.add_argument("--iters", type=int, default=10, help="timed calls per round (default 10)")
-    check.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    check.add_argument("--iters", type=positive_int, default=10, help="timed calls per round (default 10)")
+    check.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     check.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     from . import bench as bench_mod
@@ -131,13 +132,19 @@ def _llm_ready(args, parser, prog: str) -> bool:
     (parser.error), the model found (else a hint on stderr and False), --threads applied."""
     from w8a8_cpu.llm import smollm2
 
-    if min(args.eval_tokens, args.window, args.stride, args.calibration_tokens, args.new_tokens) <= 0 \
-            or args.stride > args.window:
-        parser.error("token counts must be positive and --stride <= --window")
+    from . import llm as job
+
+    if args.stride > args.window:
+        parser.error("--stride must be <= --window")
+    for option, count, text in (("--eval-tokens", args.eval_tokens, job.EVAL_TEXT),
+                                ("--calibration-tokens", args.calibration_tokens, job.CALIBRATION_TEXT)):
+        limit = job.max_tokens(text)
+        if count > limit:  # a token is at least one byte: checked here, not after the model has loaded
+            parser.error(f"{option} {count}: {text} has {limit} bytes, so at most {limit} tokens")
     if not smollm2.available():
         print(f"{prog} needs the model and the llm extra: {smollm2.INSTALL_HINT}", file=sys.stderr)
         return False
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     return True
 
@@ -176,10 +183,8 @@ def _report(result: dict, print_report, as_json: bool, failure) -> int:
 def _run_demo(args, parser) -> int:
     from . import demo
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.iters <= 0:
-        parser.error("--iters must be positive")
     if not demo.available():
         print(f"python -m w8a8_cpu demo needs the demo extra: {demo.INSTALL_HINT}", file=sys.stderr)
         return 2
@@ -190,17 +195,22 @@ def _run_demo(args, parser) -> int:
 
 
 def _run_check(args, parser) -> int:
-    if args.threads:
+    m, n, k = args.shape
+    if k > check_mod.MAX_K:
+        parser.error(f"--shape: K = {k} exceeds {check_mod.MAX_K}, the largest K whose int32 accumulation cannot "
+                     f"overflow")
+    need, have = check_mod.benchmark_bytes(m, n, k), check_mod.memory_bytes()
+    if not args.no_bench and need > have // 2:
+        parser.error(f"--shape {m} {n} {k}: the benchmark needs ~{need / 2**30:.1f} GiB, more than half of this "
+                     f"machine's {have / 2**30:.1f} GiB")
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if min(args.shape) <= 0 or args.iters <= 0:
-        parser.error("--shape values and --iters must be positive")
 
     report = w8a8_cpu.info()
     check_mod.print_report(report)
     ok = check_mod.self_check(report["runnable_variants"])
     result = {"info": report, "self_check_ok": ok}
     if not args.no_bench:
-        m, n, k = args.shape
         times = check_mod.benchmark(m, n, k, args.iters)
         ours = times["w8a8_cpu W8A8Linear"]
         print(f"benchmark (fp32 in/out, M={m} N={n} K={k}, median of {args.iters}-call medians over {check_mod.ROUNDS} rounds):")

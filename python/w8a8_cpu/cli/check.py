@@ -2,12 +2,14 @@
 reference, and a short benchmark of the W8A8 linear against torch fp32 and torch.ao dynamic int8."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, List
 
 import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
+from w8a8_cpu._fake import _MAX_K
 
 from .baselines import ao_dynamic
 from .timing import Progress, interleaved, medians
@@ -54,6 +56,17 @@ def self_check(variants: List[str]) -> bool:
 
 
 ROUNDS = 5  # interleaved rounds of the check's benchmark
+MAX_K = _MAX_K
+
+
+def benchmark_bytes(m: int, n: int, k: int) -> int:
+    """About what benchmark(m, n, k) allocates: the fp32 weight and its int8 copies (ours, torch.ao's), the input
+    and its quantized rows, an output per candidate."""
+    return 6 * n * k + 5 * m * k + 12 * m * n
+
+
+def memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def benchmark(m: int, n: int, k: int, iters: int, rounds: int = ROUNDS) -> Dict[str, float]:

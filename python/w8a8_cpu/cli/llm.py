@@ -27,6 +27,11 @@ from .timing import Progress, interleaved, medians
 
 EVAL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 CALIBRATION_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
+
+
+def max_tokens(text: Path) -> int:
+    """An upper bound on the tokens of a text (a token is at least one byte): its size, 0 when it is missing."""
+    return text.stat().st_size if text.is_file() else 0
 PPL_GATE_PERCENT = 1.5  # W8A8 (SmoothQuant) perplexity may be at most this much above fp32's
 # SmoothQuant migration strength for SmolLM2, from a sweep with these texts (perplexity / KL vs fp32 on GPL-3 after
 # calibrating on Apache-2.0): 0.4 +1.8% / 0.0148, 0.5 +1.4% / 0.0113, 0.6 +0.2% / 0.0104, 0.7 +0.9% / 0.0132.

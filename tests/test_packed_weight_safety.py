@@ -329,6 +329,38 @@ def test_in_place_edit_after_first_use_is_caught(variant, gen):
     assert torch.equal(moe(a, w13, w2), want)
 
 
+def _flip_file_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("mapping", ["from_file shared", "torch.load mmap"])
+def test_file_backed_blob_rewritten_by_another_writer_is_caught(gen, tmp_path, mapping):
+    """A blob mapped from a file can change under the mapping (another process rewrites the file; no version counter
+    sees it): such blobs are verified on every call, so the change is a ValueError, never a silently wrong result."""
+    w_q, w_scale, _, x_q, x_scale = linear_case(gen)
+    blob = w8a8_cpu.pack_weight(w_q)
+    want = mm(x_q, blob, x_scale, w_scale)
+    path = tmp_path / "blob.bin"
+    if mapping == "from_file shared":
+        blob.numpy().tofile(path)
+        mapped, offset = torch.from_file(str(path), shared=True, size=blob.numel(), dtype=torch.uint8), 0
+    else:
+        torch.save({"blob": blob}, path)
+        mapped = torch.load(path, mmap=True)["blob"]
+        offset = path.read_bytes().find(blob.numpy().tobytes())  # where the record's bytes sit in the archive
+        assert offset > 0
+    assert torch.equal(mm(x_q, mapped, x_scale, w_scale), want)
+    _flip_file_byte(path, offset + HEADER + 7)
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        mm(x_q, mapped, x_scale, w_scale)
+    _flip_file_byte(path, offset + HEADER + 7)
+    assert torch.equal(mm(x_q, mapped, x_scale, w_scale), want)
+
+
 def test_verify_packed_weight_op(gen):
     # For Python code that reads blob bytes itself (unpack_weight): the ops' checks without a matmul.
     blob = w8a8_cpu.pack_weight(linear_case(gen)[0])

@@ -1,6 +1,7 @@
 // The thin torch layer: validates inputs, allocates, parallelises with at::parallel_for, registers
 // torch.ops.w8a8_cpu.*. All arithmetic lives in the driver and the micro-kernels.
 #include <ATen/ATen.h>
+#include <ATen/MapAllocator.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -8,7 +9,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 #include <mutex>
 #include <sstream>
@@ -130,10 +133,12 @@ at::Tensor scratch_buffer(int64_t nbytes) {
 // per tensor contents, not on every call: the pass costs about as much as an M = 1 GEMV over the same weight
 // (docs/ARCHITECTURE.md). The contents are identified as far as torch can tell: the storage, the byte range and
 // the tensor's version counter, which every in-place op bumps (views share it). A weak reference keeps the storage
-// object's address from being reused by a new storage while the entry exists. Writes that bypass the counter
-// (through numpy, .data, raw pointers, or in-place edits of inference tensors, which have no counter) are not
-// seen: they are the process's own edits, not input; the header is still validated on every call, so memory safety
-// never depends on this cache.
+// object's address from being reused by a new storage while the entry exists. A blob in file-backed storage
+// (torch.from_file, torch.load(mmap=True), UntypedStorage.from_file) is verified on every call instead: another
+// process can rewrite the file under the mapping, and no counter sees that. Writes that bypass the counter within
+// the process (through numpy, .data, raw pointers, a second tensor made with set_() on the same storage, which has a
+// counter of its own, or in-place edits of inference tensors, which have none) are not seen: they are the process's
+// own edits, not input; the header is still validated on every call, so memory safety never depends on this cache.
 class VerifiedBlobs {
  public:
   template <typename Verify>
@@ -142,13 +147,13 @@ class VerifiedBlobs {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = entries_.find(key.data);
-      if (it != entries_.end() && it->second.matches(key)) return;
+      if (it != entries_.end() && it->second.matches(key) && !it->second.file_backed) return;
     }
     verify();  // throws for a bad blob; outside the lock, so threads verifying different blobs do not wait
-    insert(t);
+    insert(t, file_backed(t));
   }
 
-  void insert(const at::Tensor& t) {
+  void insert(const at::Tensor& t, bool in_file = false) {
     const Key key = key_of(t);
     std::lock_guard<std::mutex> lock(mutex_);
     if (entries_.size() >= prune_at_) {
@@ -157,7 +162,7 @@ class VerifiedBlobs {
       prune_at_ = std::max<size_t>(1024, 2 * entries_.size());
     }
     entries_.insert_or_assign(key.data, Entry{key, c10::weak_intrusive_ptr<c10::StorageImpl>::reclaim(
-                                                       c10::raw::intrusive_ptr::make_weak(key.storage))});
+                                                       c10::raw::intrusive_ptr::make_weak(key.storage)), in_file});
   }
 
  private:
@@ -170,10 +175,30 @@ class VerifiedBlobs {
   struct Entry {
     Key key;
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+    bool file_backed;  // verified on every call (found once, at the first verification)
     bool matches(const Key& k) const {
       return key.storage == k.storage && key.nbytes == k.nbytes && key.version == k.version && !storage.expired();
     }
   };
+  // Whether the blob's bytes live in a mapping of a file: torch's MapAllocator (torch.from_file), or, on Linux, any
+  // file mapping /proc/self/maps lists at its address (torch.load(mmap=True) slices one storage per record out of
+  // the mapped file, numpy memmaps): read once per blob, at its first verification.
+  static bool file_backed(const at::Tensor& t) {
+    if (at::MapAllocator::fromDataPtr(t.storage().data_ptr()) != nullptr) return true;
+#ifdef __linux__
+    const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    while (std::getline(maps, line)) {
+      unsigned long long begin = 0, end = 0, offset = 0, inode = 0;
+      char perms[8] = {}, device[16] = {};
+      if (std::sscanf(line.c_str(), "%llx-%llx %7s %llx %15s %llu", &begin, &end, perms, &offset, device, &inode) != 6)
+        continue;
+      if (address >= begin && address < end) return inode != 0;
+    }
+#endif
+    return false;
+  }
   static Key key_of(const at::Tensor& t) {
     const c10::VariableVersion& version = t.unsafeGetTensorImpl()->version_counter();
     return {t.data_ptr(), t.storage().unsafeGetStorageImpl(), t.numel(),

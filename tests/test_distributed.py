@@ -229,6 +229,41 @@ def case_bad_configs(rank: int, world_size: int, out: Path) -> dict:
     }
 
 
+def case_disagreeing_ranks(rank: int, world_size: int, out: Path) -> dict:
+    """Rank 1 given another checkpoint, options or input than rank 0: every rank raises the same ValueError naming
+    what differs (before, other weights or intermediate sizes gave silently wrong logits, another hidden size, exact
+    flag or token count aborted a rank inside gloo)."""
+    from w8a8_cpu import distributed
+    from w8a8_cpu.llm import checkpoint
+
+    base = out / "base"
+    variants = {"intermediate": dict(intermediate_size=96), "hidden": dict(hidden_size=144)}
+    if rank == 0:
+        checkpoint.save_compressed(_tiny_model("llama"), base)
+        for name, overrides in variants.items():
+            checkpoint.save_compressed(_tiny_model("llama", **overrides), out / name)
+        other_norm = _tiny_model("llama")
+        with torch.no_grad():
+            other_norm.model.norm.weight.add_(0.5)
+        checkpoint.save_compressed(other_norm, out / "norm")
+    distributed.dist.barrier()
+
+    def load(folder_on_rank1, **options_on_rank1):
+        folder, options = (out / folder_on_rank1, options_on_rank1) if rank == 1 else (base, {})
+        return lambda: distributed.load_sharded(folder, **options)
+
+    errors = {name: _error_of(load(name)) for name in (*variants, "norm")}
+    errors["exact"] = _error_of(load("base", exact=False))
+    errors["attention"] = _error_of(load("base", attention="replicate"))
+    model, _ = distributed.load_sharded(base)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        errors["token count"] = _error_of(lambda: model(ids[:, :11] if rank == 1 else ids))
+        errors["token ids"] = _error_of(lambda: model(ids.flip(1) if rank == 1 else ids))
+        logits = model(ids).logits  # the ranks still work together after refusing
+    return {**errors, "logits": logits}
+
+
 def case_dead_rank(rank: int, world_size: int, out: Path) -> dict:
     return _lost_rank(rank, lambda: os._exit(3))  # dies mid-run, without a goodbye
 
@@ -392,6 +427,48 @@ def test_bad_configurations_raise_clear_errors(tmp_path):
         assert "rank 1's weights differ from rank 0's at model.layers.0.mlp.down_proj.weight_packed" in \
             errors["int8_weight"]
         assert errors["other_variant"] == "no error"  # packed by 'ref' on rank 1: the same int8 weights
+
+
+def test_ranks_given_different_checkpoints_options_or_inputs_all_refuse(tmp_path):
+    results = launch_ok("disagreeing_ranks", 2, tmp_path)
+    for errors in results:
+        assert "load_sharded: rank 1 differs from rank 0 in config intermediate_size: '96' on rank 1, '192'" in \
+            errors["intermediate"]
+        assert "rank 1 differs from rank 0 in config head_dim: '12' on rank 1, '8' on rank 0 (and in config " \
+            "hidden_size, tensor lm_head.weight" in errors["hidden"]
+        assert "rank 1 differs from rank 0 in replicated tensor model.norm.weight" in errors["norm"]
+        assert "rank 1 differs from rank 0 in exact: 'False' on rank 1, 'True' on rank 0" in errors["exact"]
+        assert "rank 1 differs from rank 0 in attention: 'replicated' on rank 1, 'sharded' on rank 0" in \
+            errors["attention"]
+        assert "input: rank 1's forward input differs from rank 0's (shape (1, 11) vs (1, 12)" in errors["token count"]
+        assert "input: rank 1's forward input differs from rank 0's (shape (1, 12) vs (1, 12), crc32" in \
+            errors["token ids"]
+    assert torch.equal(results[0]["logits"], results[1]["logits"])
+
+
+@pytest.mark.parametrize("sizes,message", [
+    ((2, 3), "WORLD_SIZE=2, but rank 1 was started with WORLD_SIZE=3; start every rank with the same WORLD_SIZE"),
+    ((3, 3), "WORLD_SIZE=3, but rank 2 did not join within 5 s"),
+])
+def test_disagreeing_world_sizes_fail_within_the_timeout_naming_it(sizes, message):
+    """Two processes started with WORLD_SIZE 2 and 3 (or a rank missing): RankFailure naming the mismatch on the
+    ranks that see it, within timeout_s (torch alone: a raw store or gloo error after several timeouts)."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = ("import sys, time; from w8a8_cpu import distributed\n"
+              "t0 = time.monotonic()\n"
+              "try:\n    distributed.init(timeout_s=5)\n"
+              "except distributed.RankFailure as e:\n    print('RankFailure', round(time.monotonic() - t0), e)\n"
+              "    sys.exit(4)\n")
+    procs = [subprocess.Popen([*python_command(), "-c", script], env={**env, "RANK": str(rank), "WORLD_SIZE": str(size)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
+             for rank, size in enumerate(sizes)]
+    outputs = [out for out, _ in communicate_all(procs, 60, "disagreeing world sizes")]
+    assert [p.returncode for p in procs] == [4, 4], outputs
+    assert any(message in out for out in outputs), outputs
+    for out in outputs:
+        (line,) = [line for line in out.splitlines() if line.startswith("RankFailure ")]
+        assert int(line.split()[1]) <= 6, out
 
 
 @pytest.mark.parametrize("heads", [{}, {"num_attention_heads": 8}, {"num_attention_heads": 8, "num_key_value_heads": 0},

@@ -18,6 +18,7 @@ exact=False selects the usual scheme for comparison: per-rank scales and one fp3
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 import zlib
@@ -57,7 +58,11 @@ _timeout_s: Optional[float] = None  # the timeout init() gave the process group,
 def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
     """Join the process group described by the environment (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR,
     MASTER_PORT) with a timeout, so that a rank that dies makes the others raise RankFailure instead of waiting
-    forever. Returns the default group."""
+    forever. Returns the default group.
+
+    Before the process group forms, every rank publishes its RANK and WORLD_SIZE in the rendezvous store and checks
+    them against rank 0's and the others': ranks started with disagreeing settings raise RankFailure naming the
+    mismatch within timeout_s (torch alone fails after several timeouts with a store or gloo error)."""
     global _timeout_s
     if timeout_s <= 0:
         raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
@@ -65,9 +70,59 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
     if missing:
         raise ValueError(f"environment: {', '.join(missing)} not set; start the ranks with torchrun "
                          f"(torchrun --nproc-per-node N -m ...) or set them")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world_size, port = (_env_int(v) for v in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
+    if not 0 <= rank < world_size or not 0 < port < 65536:
+        raise ValueError(f"environment: RANK={rank} must be in [0, WORLD_SIZE={world_size}) and MASTER_PORT={port} "
+                         f"a port number")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # torchrun hosts the store
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=rank == 0 and not agent_store,
+                              timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise RankFailure(f"rank {rank}: cannot reach the rendezvous store at {os.environ['MASTER_ADDR']}:{port} "
+                          f"within {timeout_s:g} s: {e}") from e
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent's store outlives a restart: fresh keys
+    try:
+        _agree_on_world(dist.PrefixStore(f"w8a8_cpu/world/{attempt}", store), rank, world_size, timeout_s)
+    except RuntimeError as e:
+        if isinstance(e, RankFailure):
+            raise
+        raise RankFailure(f"rank {rank}: lost the rendezvous store while the ranks compared WORLD_SIZE (rank 0 "
+                          f"most likely exited): {e}") from e
+    dist.init_process_group(backend, store=dist.PrefixStore("w8a8_cpu/pg", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
     _timeout_s = timeout_s
     return dist.group.WORLD
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"environment: {name}={os.environ[name]!r} is not an integer") from None
+
+
+def _agree_on_world(store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank's WORLD_SIZE equal, every rank of it present, each RANK taken once: else RankFailure naming it."""
+    taken = store.add(f"rank {rank}", 1)
+    if taken != 1:
+        raise RankFailure(f"rank {rank}: another process was started with RANK={rank} too; give each rank its own")
+    store.set(f"world size of rank {rank}", str(world_size))
+    deadline = time.monotonic() + timeout_s
+    for other in range(world_size):
+        key = f"world size of rank {other}"
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                said = "" if other == 0 else f"; rank 0 says WORLD_SIZE={store.get('world size of rank 0').decode()}" \
+                    if store.check(["world size of rank 0"]) else ""
+                raise RankFailure(f"rank {rank}: WORLD_SIZE={world_size}, but rank {other} did not join within "
+                                  f"{timeout_s:g} s{said}")
+            time.sleep(0.05)
+        theirs = int(store.get(key).decode())
+        if theirs != world_size:
+            raise RankFailure(f"rank {rank}: WORLD_SIZE={world_size}, but rank {other} was started with "
+                              f"WORLD_SIZE={theirs}; start every rank with the same WORLD_SIZE")
 
 
 def finish(group=None) -> None:
@@ -235,6 +290,71 @@ class ExpertParallelW8A8Experts(torch.nn.Module):
                 f"{self.num_experts}, exact={self.exact}")
 
 
+# ---- agreement across ranks ------------------------------------------------------------------------------------
+
+def agree(values: Dict[str, str], what: str, group=None) -> None:
+    """Every rank's `values` equal to rank 0's, else ValueError on every rank naming the first key that differs and
+    both values: what a rank was given (config, checkpoint headers, options) is compared once, before a collective
+    with mismatched sizes could abort a rank (gloo ends the process) or the ranks compute a silently wrong answer."""
+    everyone: List[Optional[Dict[str, str]]] = [None] * dist.get_world_size(group)
+    _collective(f"{what}: agreement across ranks", lambda: dist.all_gather_object(everyone, values, group=group))
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = [key for key in sorted(reference.keys() | theirs.keys()) if reference.get(key) != theirs.get(key)]
+        if differ:
+            key, more = differ[0], differ[1:4]
+            also = f" (and in {', '.join(more)}{', ...' if len(differ) > 4 else ''})" if more else ""
+            raise ValueError(f"{what}: rank {rank} differs from rank 0 in {key}: {_short(theirs.get(key))} on rank "
+                             f"{rank}, {_short(reference.get(key))} on rank 0{also}; every rank must be given the "
+                             f"same")
+
+
+def _short(value: Optional[str]) -> str:
+    if value is None:
+        return "nothing"
+    return repr(value if len(value) <= 120 else value[:120] + "...")
+
+
+def _config_values(config) -> Dict[str, str]:
+    return {f"config {k}": json.dumps(v, sort_keys=True, default=str) for k, v in config.to_dict().items()
+            if k not in ("_name_or_path", "transformers_version")}
+
+
+def _input_fingerprint(ids: torch.Tensor) -> torch.Tensor:
+    """[shape dims (4, padded with -1), crc32 of the bytes] of a forward's input: a fixed size, so the exchange
+    itself cannot mismatch."""
+    t = ids.detach().contiguous()
+    shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
+    crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else 0
+    return torch.tensor([t.dim(), *shape, crc], dtype=torch.int64)
+
+
+def _check_same_input(group):
+    """A forward pre-hook for a sharded model: every rank's input ids (or input embeddings) equal, checked with one
+    small all-gather per forward; else ValueError on every rank (a token count that differs would abort a rank
+    inside the first all-reduce, other ids would give every rank a wrong answer)."""
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor):
+            return
+        mine = _input_fingerprint(ids)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        _collective("forward input agreement", lambda: dist.all_gather(everyone, mine, group=group), mine)
+        for rank, theirs in enumerate(everyone):
+            if not torch.equal(theirs, everyone[0]):
+                shape = lambda f: tuple(int(d) for d in f[1:1 + min(int(f[0]), 4)])  # noqa: E731
+                raise ValueError(f"input: rank {rank}'s forward input differs from rank 0's (shape {shape(theirs)} vs "
+                                 f"{shape(everyone[0])}, crc32 {int(theirs[-1]):#x} vs {int(everyone[0][-1]):#x}); "
+                                 f"every rank must run the same tokens")
+    return hook
+
+
+def _sharded_forward_checks(model: torch.nn.Module, group) -> None:
+    model.register_forward_pre_hook(_check_same_input(group), with_kwargs=True)
+
+
 # ---- whole models ----------------------------------------------------------------------------------------------
 
 def _is_packed(t: torch.Tensor) -> bool:
@@ -376,13 +496,20 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
     check_weights compares a checksum of every tensor across ranks first (ValueError naming the first that
     differs)."""
     plan = plan_shards(model, group, attention, exact)
+    agree({**_config_values(model.config), **_options(plan, exact, model.dtype)}, "shard_model", group)
     if check_weights:
         check_same_weights(model, group)
     for name, shard in plan.linears.items():
         _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
     for name, shard in plan.experts.items():
         _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
+    _sharded_forward_checks(model, group)
     return plan.report
+
+
+def _options(plan: ShardPlan, exact: bool, dtype) -> Dict[str, str]:
+    return {"world size": str(plan.report.world_size), "attention": plan.report.attention, "exact": str(exact),
+            "dtype": str(dtype)}
 
 
 def load_sharded(directory, group=None, attention: str = "auto", exact: bool = True,
@@ -395,10 +522,21 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
     on the same directory; the checkpoint's sharded layers must be stored W8A8."""
     from ..llm.checkpoint import _load
 
-    model, plan = _load(directory, dtype, lambda empty: plan_shards(empty, group, attention, exact))
+    def planned(empty: torch.nn.Module, headers: Dict[str, str]) -> ShardPlan:
+        plan = plan_shards(empty, group, attention, exact)
+        agree({**_config_values(empty.config), **_options(plan, exact, empty.dtype),
+               **{f"tensor {name}": header for name, header in headers.items()}}, "load_sharded", group)
+        return plan
+
+    model, plan = _load(directory, dtype, planned)
+    sharded = set(plan.linears) | set(plan.experts)
+    replicated = {name: str(crc) for name, crc in weight_checksums(model).items()
+                  if not any(name.startswith(layer + ".") for layer in sharded)}
+    agree({f"replicated tensor {name}": crc for name, crc in replicated.items()}, "load_sharded", group)
+    _sharded_forward_checks(model, group)
     return model, plan.report
 
 
 __all__ = ["init", "finish", "shard_model", "load_sharded", "plan_shards", "ShardPlan", "LinearShard", "ExpertShard",
            "check_same_weights", "weight_checksums", "column_parallel", "row_parallel", "RowParallelW8A8Linear",
-           "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce", "ShardReport"]
+           "ExpertParallelW8A8Experts", "RankFailure", "CommStats", "STATS", "all_reduce", "ShardReport", "agree"]

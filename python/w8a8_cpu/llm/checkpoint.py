@@ -563,6 +563,14 @@ class _StoredTensors:
         self._file_of = weight_map
         self.unused = set(weight_map)
 
+    def headers(self) -> Dict[str, str]:
+        """Every tensor's file, dtype and shape, by name (from the headers: nothing is read)."""
+        described = {}
+        for key, file_name in self._file_of.items():
+            stored = self._files[file_name].get_slice(key)
+            described[key] = f"{file_name} {stored.get_dtype()} {list(stored.get_shape())}"
+        return described
+
     def _where(self, key: str) -> str:
         return f"{self.directory / self._file_of[key]}: tensor {_echo(key)}"
 
@@ -834,7 +842,8 @@ def _int8_embedding_flag(config, config_file: Path) -> bool:
 
 
 def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
-    """(model, plan(model) or None): load_quantized, or with `plan` (called on the model built on the meta device;
+    """(model, plan(model, headers) or None): load_quantized, or with `plan` (called on the model built on the meta
+    device and the checkpoint's tensor headers, {name: "file dtype shape"};
     it returns w8a8_cpu.distributed's ShardPlan) a sharded load: each layer in plan.linears / plan.experts is read
     only in its part and built by its shard."""
     from transformers import GenerationConfig
@@ -854,7 +863,7 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
             raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
                              f"{_echo(str(e))})") from None
-        shards = None if plan is None else plan(model)
+        shards = None if plan is None else plan(model, tensors.headers())
         linear_shards, expert_shards = ({}, {}) if shards is None else (shards.linears, shards.experts)
         loader = _Loader(model, tensors, scheme)
         tied = set(_tied_weights(model))

@@ -528,7 +528,8 @@ def _weight_map(directory: Path) -> Dict[str, str]:
         raise ValueError(f"{index}: weight_map is missing or not a non-empty object")
     for key, file_name in weight_map.items():
         plain = (isinstance(file_name, str) and file_name.endswith(".safetensors") and "/" not in file_name
-                 and "\\" not in file_name and Path(file_name).name == file_name and not file_name.startswith("."))
+                 and "\\" not in file_name and Path(file_name).name == file_name and not file_name.startswith(".")
+                 and len(file_name.encode("utf-8", "surrogatepass")) <= 255 and "\0" not in file_name)
         if not plain:
             raise ValueError(f"{index}: weight_map[{_echo(key)}] is {_echo(file_name)}; expected the plain name of a "
                              f".safetensors file in the checkpoint directory")
@@ -727,7 +728,18 @@ _CONFIG_SIZES = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "moe_inte
 _CONFIG_FLAGS = ("tie_word_embeddings",)
 
 
-def _check_config_values(config_dict: dict, where: str) -> None:
+def _json_kind(value) -> str:
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, (int, float)):
+        return "an integer" if isinstance(value, int) else "a number"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _check_config_values(config_dict: dict, defaults: dict, where: str) -> None:
+    """Sizes and flags checked first (type and range), then every field against the type of the config class's
+    default for it (null is always allowed: it means unset): transformers accepts many wrongly typed values and fails
+    later, deep in model code, without naming the file."""
     for key, bound in _CONFIG_SIZES.items():
         value = config_dict.get(key)
         if value is not None and (type(value) is not int or not 1 <= value <= bound):
@@ -735,6 +747,21 @@ def _check_config_values(config_dict: dict, where: str) -> None:
     for key in _CONFIG_FLAGS:
         if key in config_dict and type(config_dict[key]) is not bool:
             raise ValueError(f"{where}: {key} must be true or false, got {_echo(config_dict[key])}")
+    for key, value in config_dict.items():
+        default = defaults.get(key)
+        if value is None or default is None:
+            continue
+        if key.endswith("_token_id"):  # an id, or several (Llama 3's eos_token_id)
+            ids = value if isinstance(value, list) else [value]
+            vocab = config_dict.get("vocab_size")
+            if not all(type(i) is int and 0 <= i < (vocab if type(vocab) is int else 2 ** 31) for i in ids):
+                raise ValueError(f"{where}: {key} must be a token id in [0, vocab_size) or a list of them, got "
+                                 f"{_echo(value)}")
+            continue
+        expected, got = _json_kind(default), _json_kind(value)
+        if got != expected and not (expected == "a number" and got == "an integer"):
+            raise ValueError(f"{where}: {key} must be {expected} (as {type(default).__name__} in transformers' "
+                             f"config), got {_echo(value)}")
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d{1,9})\.")
@@ -763,7 +790,11 @@ def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
     model_type = config_dict.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(f"{where}: model_type is {_echo(model_type)}; expected a model type this transformers knows")
-    _check_config_values(config_dict, where)
+    try:
+        defaults = CONFIG_MAPPING[model_type]().to_dict()
+    except Exception:  # noqa: BLE001 - a config class without usable defaults: only the explicit checks apply
+        defaults = {}
+    _check_config_values(config_dict, defaults, where)
     architecture = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     try:
         config = CONFIG_MAPPING[model_type].from_dict(architecture)
@@ -860,7 +891,7 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
         _check_against_headers(config, list(tensors.unused), str(config_file))
         try:
             model = _empty_model(config, dtype)
-        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError, AssertionError) as e:
             raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
                              f"{_echo(str(e))})") from None
         shards = None if plan is None else plan(model, tensors.headers())

@@ -42,9 +42,9 @@ fi
 # as `lite` does.
 FULL_ARGS=(tests -m "not slow_under_emulation"
            -k "not test_isa_env and not test_cli_ and not test_help_documents_both_commands and not test_refuses_ops_defined_elsewhere")
-SMOKE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py -m "not slow_under_emulation"
-            -k "quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input")
-LITE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py tests/test_nn_cli.py -m "not slow_under_emulation"
+SMOKE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py tests/test_w4a8.py -m "not slow_under_emulation"
+            -k "quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input or int4_linear_is_exact")
+LITE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py tests/test_nn_cli.py tests/test_w4a8.py -m "not slow_under_emulation"
            -k "not test_isa_env and not test_cli_ and not 200- and not 256-64-8")
 if [ -n "${W8A8_EMU_PYTEST_ARGS:-}" ]; then
   read -r -a FULL_ARGS <<< "$W8A8_EMU_PYTEST_ARGS"   # split on whitespace, no quoting

@@ -21,11 +21,13 @@ from w8a8_cpu import reference
 
 # ---- the blob format (little-endian on every supported arch) ---------------------------------------------------
 HEADER = 64
-OFF_VERSION, OFF_NR, OFF_KR, OFF_N, OFF_K, OFF_NP, OFF_KP, OFF_NAME, OFF_CRC = 8, 12, 14, 16, 24, 32, 40, 48, 60
+OFF_VERSION, OFF_NR, OFF_KR, OFF_SCHEME, OFF_GROUP = 8, 12, 13, 14, 15
+OFF_N, OFF_K, OFF_NP, OFF_KP, OFF_NAME, OFF_CRC = 16, 24, 32, 40, 48, 60
 NAME_BYTES = 12
-VERSION = 3
-FIELDS = {"version": (OFF_VERSION, "<I"), "nr": (OFF_NR, "<H"), "kr": (OFF_KR, "<H"), "n": (OFF_N, "<q"),
-          "k": (OFF_K, "<q"), "n_padded": (OFF_NP, "<q"), "k_padded": (OFF_KP, "<q")}
+VERSION = 4
+FIELDS = {"version": (OFF_VERSION, "<I"), "nr": (OFF_NR, "<B"), "kr": (OFF_KR, "<B"), "scheme": (OFF_SCHEME, "<B"),
+          "group_log2": (OFF_GROUP, "<B"), "n": (OFF_N, "<q"), "k": (OFF_K, "<q"), "n_padded": (OFF_NP, "<q"),
+          "k_padded": (OFF_KP, "<q")}
 
 
 def _crc32c_table():
@@ -90,7 +92,7 @@ def encode(w: torch.Tensor, nr: int, kr: int, name: bytes = b"ref") -> bytearray
     wp = torch.zeros(n_padded, k_padded, dtype=torch.int8)
     wp[:n, :k] = w
     panels = wp.reshape(n_padded // nr, nr, k_padded // kr, kr).permute(0, 2, 1, 3)  # panel[k / kr][n % nr][k % kr]
-    header = b"W8A8PKW\0" + struct.pack("<IHHqqqq", VERSION, nr, kr, n, k, n_padded, k_padded)
+    header = b"W8A8PKW\0" + struct.pack("<IBBBBqqqq", VERSION, nr, kr, 0, 0, n, k, n_padded, k_padded)
     header += name.ljust(NAME_BYTES, b"\0") + bytes(4)
     sums = wp.sum(dim=1, dtype=torch.int32)
     return seal(bytearray(header + panels.contiguous().numpy().tobytes() + sums.numpy().tobytes()))
@@ -226,7 +228,8 @@ def test_size_overflow_is_rejected(variant, gen):
 
 
 @pytest.mark.parametrize("field,value", [("n", 1 << 62), ("n", -16), ("n", 0), ("k", 1 << 17), ("k", -4),
-                                         ("nr", 0), ("kr", 0), ("nr", 65535), ("kr", 300), ("n_padded", 1 << 63),
+                                         ("nr", 0), ("kr", 0), ("nr", 255), ("kr", 65), ("scheme", 3), ("group_log2", 4),
+                                         ("group_log2", 17), ("n_padded", 1 << 63),
                                          ("k_padded", -92)])
 def test_out_of_range_header_field_is_rejected(variant, gen, field, value):
     w_q, w_scale, _, x_q, x_scale = linear_case(gen)

@@ -18,6 +18,8 @@ NEEDS_DATA = {
     "id too large": "values", "id negative": "values",
     "packed wrong shape": "N and K are in each expert's header",
     "packed garbage": "the magic is data",
+    **dict.fromkeys(("w_scale NaN", "w_scale Inf fused", "w_scale NaN packed", "bias -Inf", "gated w_scale NaN",
+                     "scale_accumulators w_scale NaN"), "finiteness is a property of the values"),
 }
 NOT_OPS = {"quantize_weight NaN", "quantize_weight int", "quantize_weight 1-D", "unknown variant", "pack_moe 2-D"}
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "ref_kernel.h"
 
@@ -20,10 +21,14 @@ static_assert(kMaxPanelWidth <= kScaleRowCols, "a tile row must fit scale_row");
 
 // The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
 // contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
-void scale_row(const int32_t* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
-  if (o.raw_int32) {
-    std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
-    return;
+// acc: int32 products (int8 weights) or the fp32 group sums t of int4 weights: the same epilogue on either.
+template <typename Acc>
+void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
+  if constexpr (std::is_same_v<Acc, int32_t>) {
+    if (o.raw_int32) {
+      std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
+      return;
+    }
   }
   float v[kScaleRowCols];
   void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
@@ -124,8 +129,9 @@ int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padd
   return kernel.a_excludes_int8_min ? std::max(packed, m * packed_a_stride(kRefKernel, k_padded)) : packed;
 }
 
-int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded) {
-  return round_up(m * k, kAlign) + m * packed_a_stride(kernel, k_padded);  // quantized rows, then packed rows
+int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t groups) {
+  // quantized rows, their int4 group sums, then the packed rows
+  return round_up(m * k, kAlign) + round_up(m * groups * 4, kAlign) + m * packed_a_stride(kernel, k_padded);
 }
 
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
@@ -155,11 +161,79 @@ void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t 
   });
 }
 
+namespace {
+
+// k per widened block of an int4 panel in the generic path: the int8 copy (kInt4Block x nr bytes) stays in L1 on the
+// stack. A multiple of 32 (every group size, every panel depth, whole nibble chunks).
+constexpr int64_t kInt4Block = 256;
+
+inline float load_float(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// t (rows [r0, r1) x nr, at most mr rows) of one int4 panel without an int4 tile: each block of k widened to int8 once
+// (and summed per column for the biased-A tiles), the variant's int8 tile over each group of it, the group's int32
+// products added up (exact), the groups combined in fp32 in GemmOutput's order.
+void int4_rows_via_int8_tile(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int rows,
+                             const int32_t* a_group_sums, const PackedWeightView& w, const uint8_t* panel, float* t) {
+  const int nr = w.layout.nr;
+  const int64_t elem = static_cast<int64_t>(kernel.geometry().a_elem_bytes);
+  const uint8_t* scales = panel + w.nibble_bytes;
+  const uint8_t* mins = scales + w.groups * nr * 4;
+  int8_t block[kInt4Block * kMaxPanelWidth];
+  int32_t sums[kMaxPanelWidth], c[kMaxTileInt32], group_acc[kMaxTileInt32];
+  std::fill(t, t + rows * nr, 0.f);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    std::fill(group_acc, group_acc + rows * nr, 0);
+    for (int64_t k0 = g * w.group; k0 < (g + 1) * w.group; k0 += kInt4Block) {
+      const int64_t len = std::min(kInt4Block, (g + 1) * w.group - k0);
+      std::fill(sums, sums + nr, 0);
+      widen_int4(panel + k0 * nr / 2, len * nr, w.layout, block, sums);
+      kernel.tile(a_packed + k0 * elem, static_cast<size_t>(a_stride), rows, block, sums, w.layout, len, c);
+      for (int64_t i = 0; i < rows * nr; ++i) group_acc[i] += c[i];
+    }
+    for (int i = 0; i < rows; ++i) {
+      float* ti = t + i * nr;
+      const int32_t* cg = group_acc + i * nr;
+      for (int j = 0; j < nr; ++j) ti[j] = ti[j] + static_cast<float>(cg[j]) * load_float(scales + (g * nr + j) * 4);
+      if (w.has_mins()) {
+        const float a_sum = static_cast<float>(a_group_sums[i * w.groups + g]);
+        for (int j = 0; j < nr; ++j) ti[j] = ti[j] + a_sum * load_float(mins + (g * nr + j) * 4);
+      }
+    }
+  }
+}
+
+// Rows [r0, r1) of A times one int4 panel: t per tile of rows (the variant's int4 tile on plain int8 rows, or the int8
+// tile path above on the variant's packed rows), then the epilogue.
+void compute_int4_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
+                       const PackedWeightView& w, int64_t panel, const GemmOutput& o) {
+  const int nr = w.layout.nr, mr = kernel.geometry().mr;
+  const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
+  const auto* panel_data = reinterpret_cast<const uint8_t*>(w.panels) + panel * w.panel_bytes;
+  float t[kMaxTileInt32];
+  for (int64_t r = r0; r < r1; r += mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(mr, r1 - r));
+    const int32_t* sums = o.a_group_sums + r * w.groups;
+    if (kernel.int4_tile)
+      kernel.int4_tile(reinterpret_cast<const int8_t*>(a_packed + r * a_stride), static_cast<size_t>(a_stride), rows,
+                       panel_data, w.layout, w.group, w.groups, w.has_mins(), sums, t);
+    else
+      int4_rows_via_int8_tile(kernel, a_packed + r * a_stride, a_stride, rows, sums, w, panel_data, t);
+    for (int i = 0; i < rows; ++i) scale_row(t + i * nr, r + i, n0, cols, o);
+  }
+}
+
+}  // namespace
+
 void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
                         const PackedWeightView& w, int64_t panel, const GemmOutput& o) {
+  if (w.int4()) return compute_int4_rows(kernel, a_packed, a_stride, r0, r1, w, panel, o);
   const int nr = w.layout.nr;
   const int64_t k_padded = w.header.k_padded;
-  const int8_t* panel_data = w.panels + panel * k_padded * nr;
+  const int8_t* panel_data = w.panels + panel * w.panel_bytes;
   int32_t sums[kMaxPanelWidth];  // aligned copy: the blob's sums may sit at any address
   load_col_sums(w, panel * nr, nr, sums);
   const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
@@ -211,6 +285,9 @@ void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, co
           const GemmOutput& o, void* scratch, const ParallelFor& parallel_for) {
   check_kernel_reads(kernel, w, "w");
   const PackedWeightHeader& h = w.header;
+  if (w.int4())
+    throw std::invalid_argument("w: int4 weights are computed by the linear ops (int8_scaled_mm_with_quant): their "
+                                "epilogue needs the activations' group sums");
   if (m == 0 || h.n == 0) return;
   if (kernel.a_excludes_int8_min && holds_int8_min(a, m, lda, h.k))
     return gemm(kRefKernel, a, m, lda, w, o, scratch, parallel_for);
@@ -226,16 +303,27 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   check_kernel_reads(kernel, w, "w");
   const PackedWeightHeader& h = w.header;
   if (m == 0) return -1;
-  // Quantize and pack each row in one pass (one region; none for decode-sized m), then the GEMM's region.
+  // Quantize and pack each row in one pass (one region; none for decode-sized m), then the GEMM's region. int4
+  // weights: A's sums per group too, and plain int8 rows (the reference packing) for a variant's int4 tile.
+  const int64_t groups = w.int4() ? w.groups : 0;
+  const MicroKernel& a_packer = w.int4() && kernel.int4_tile ? kRefKernel : kernel;
   auto* q = static_cast<int8_t*>(scratch);
-  auto* a_packed = static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign);
-  const int64_t a_stride = packed_a_stride(kernel, h.k_padded);
+  auto* sums = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign));
+  auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(m * groups * 4, kAlign);
+  const int64_t a_stride = packed_a_stride(a_packer, h.k_padded);
   std::atomic<int64_t> first_bad{m};
   dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
     quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, first_bad);
-    pack_rows_via(kernel, r0, r1, [&](int64_t r) { return q + r * h.k; }, h.k, h.k_padded, a_packed, a_stride);
+    pack_rows_via(a_packer, r0, r1, [&](int64_t r) { return q + r * h.k; }, h.k, h.k_padded, a_packed, a_stride);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t kk = g * w.group; kk < std::min(h.k, (g + 1) * w.group); ++kk) sum += q[r * h.k + kk];
+        sums[r * groups + g] = sum;
+      }
   });
   o.a_scales = a_scales_out;
+  o.a_group_sums = sums;
   gemm_packed(kernel, a_packed, a_stride, m, w, o, parallel_for);
   return first_bad_row(first_bad, m);
 }
@@ -244,8 +332,9 @@ void silu_mul(float* gate, const float* up, int64_t n) {
   for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
 }
 
-int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n) {
-  return round_up(m * n * 4, kAlign) + linear_scratch_nbytes(kernel, m, k, k_padded);
+int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n,
+                                    int64_t groups) {
+  return round_up(m * n * 4, kAlign) + linear_scratch_nbytes(kernel, m, k, k_padded, groups);
 }
 
 int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,

@@ -47,17 +47,23 @@ int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded);
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for);
 
-// What a GEMM writes: the fp32 epilogue out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]) cast once to
-// out_kind, rows ldo elements apart; or, with raw_int32, the exact int32 accumulators themselves (scales and bias
-// unused), for callers that add partial products before the epilogue (tensor parallelism).
+// What a GEMM writes, rows ldo elements apart, cast once to out_kind:
+//  int8 weights: out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]); or, with raw_int32, the exact int32
+//    accumulators themselves (scales and bias unused), for callers that add partial products before the epilogue
+//    (tensor parallelism).
+//  int4 weights (groups g of the blob's group size, the blob's group scales s and minimums mn; acc_g the exact int32
+//    products of group g): t = 0; for g in order: t = t + float(acc_g) * s[n, g]; then, int4_min weights,
+//    t = t + float(a_group_sums[r, g]) * mn[n, g]; out[r, n] = t * (a_scales[r] * w_scales[n]) (+ bias[n]): the
+//    int8 epilogue on t. One order, in the driver and the int4 tiles, for every variant.
 struct GemmOutput {
   const float* a_scales;
-  const float* w_scales;
-  const float* bias;  // may be null
+  const float* w_scales;  // [n]
+  const float* bias;      // may be null
   void* out;
   FloatKind out_kind;
   int64_t ldo;
   bool raw_int32 = false;
+  const int32_t* a_group_sums = nullptr;  // int4 weights: [m, groups] sums of A's int8 rows per group (linear())
 };
 
 // The unit of work of every driver: rows [r0, r1) of packed A times one weight panel, through the tile and the
@@ -69,12 +75,14 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
 void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, const GemmOutput& o,
                         const ParallelFor& parallel_for);
 
-// Scratch bytes gemm() and linear() need for m rows of A with k columns.
+// Scratch bytes gemm() and linear() need for m rows of A with k columns (linear: and `groups` int4 scale groups, whose
+// per-row sums of A it computes; 0 for int8).
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded);
-int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded);
+int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t groups = 0);
 
 // o <- a [m, k] (int8, rows lda apart) times w^T: acc[i, j] = sum_k a[i, k] * w[j, k] through the epilogue.
-// w packed for a panel width `kernel` reads.
+// w packed for a panel width `kernel` reads, int8 weights (int4 weights need linear(): their epilogue needs A's group
+// sums).
 void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, const PackedWeightView& w,
           const GemmOutput& o, void* scratch, const ParallelFor& parallel_for);
 
@@ -93,7 +101,8 @@ void silu_mul(float* gate, const float* up, int64_t n);
 // rows [I, 2I); out[r, j] = silu(g[r, j]) * u[r, j] where g and u are linear()'s fp32 outputs of those channels, cast
 // once to o.out_kind (o.out [m, I], rows o.ldo apart; o.w_scales and o.bias cover all 2I channels). One activation
 // quantization, one GEMM. Returns the first non-finite row or -1 (quantize_rows).
-int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n);
+int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n,
+                                    int64_t groups = 0);
 int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
                      const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out,
                      void* scratch, const ParallelFor& parallel_for);

@@ -72,6 +72,14 @@ struct MicroKernel {
   // True when the tile is exact only for A in [-127, 127] (every weight allowed): quantize_rows never produces -128,
   // and gemm() sends a caller's A that holds -128 to the reference tile instead (exact, slower).
   bool a_excludes_int8_min = false;
+
+  // Optional W4A8 tile (null: the driver widens int4 panels to int8 blocks and runs `tile` on each group). For m <= mr
+  // rows of plain int8 A (values in [-127, 127], zero-padded to the panel's k, rows a_row_stride bytes apart) and one
+  // int4 panel (packed_weight.h, WeightScheme: nibbles, then scales [groups][nr], then with has_mins minimums
+  // [groups][nr]; any alignment): t[i * nr + j] = the fp32 group sum in GemmOutput's fixed order (gemm_driver.h) over
+  // exact int32 group products, a_group_sums[i * groups + g] being row i's sum over group g.
+  void (*int4_tile)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout layout,
+                    int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -70,13 +71,29 @@ void sum_groups(const int8_t* p, int64_t groups, int len, int32_t* acc) {
     for (int i = 0; i < len; ++i) acc[i] += p[i];
 }
 
-PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, const char* arg) {
+PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, WeightFormat format, const char* arg) {
   PackedWeightSizes sizes;
-  if (!packed_weight_sizes(n, k, layout, &sizes))
+  if (!packed_weight_sizes(n, k, layout, format, &sizes))
     throw std::invalid_argument(std::string(arg) + ": a [" + std::to_string(n) + ", " + std::to_string(k) +
                                 "] weight is outside the packed weight format (1 <= N <= " +
-                                std::to_string(kMaxPackedN) + ", 1 <= K <= " + std::to_string(kMaxK) + ")");
+                                std::to_string(kMaxPackedN) + ", 1 <= K <= " + std::to_string(kMaxK) +
+                                (format.scheme == WeightScheme::int4
+                                     ? ", int4 groups of 2^" + std::to_string(kMinGroupLog2) + " .. 2^" +
+                                           std::to_string(kMaxGroupLog2) + " k, a multiple of the panel depth"
+                                     : std::string()) +
+                                ")");
   return sizes;
+}
+
+// Where int4 panel element e lives: byte and shift of its nibble (WeightScheme: 64 elements per 32 bytes).
+inline int64_t nibble_byte(int64_t e) { return e / kInt4ChunkElements * 32 + e % 32; }
+inline int nibble_shift(int64_t e) { return e % kInt4ChunkElements >= 32 ? 4 : 0; }
+
+// The weight at panel element e (int8 bytes, or int4 nibbles u = q + 8).
+int8_t panel_element(const PackedWeightView& w, const int8_t* panel, int64_t e) {
+  if (!w.int4()) return panel[e];
+  const auto byte = static_cast<uint8_t>(panel[nibble_byte(e)]);
+  return static_cast<int8_t>(((byte >> nibble_shift(e)) & 0x0f) - 8);
 }
 
 [[noreturn]] void throw_corrupted(const char* arg, const std::string& what) {
@@ -116,25 +133,53 @@ uint32_t packed_weight_checksum(const uint8_t* blob, int64_t nbytes) {
   return crc32c(head, blob + header, static_cast<size_t>(nbytes - header));
 }
 
-bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, PackedWeightSizes* sizes) {
+bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, WeightFormat format, PackedWeightSizes* sizes) {
   if (layout.nr < 1 || layout.nr > kMaxPanelWidth || layout.kr < 1 || layout.kr > kMaxPanelDepth || n < 1 ||
       n > kMaxPackedN || k < 1 || k > kMaxK)
     return false;
-  // Within those bounds nothing below can overflow (the body is < 2^49 bytes); checked anyway, so that raising a
+  const bool int4 = format.scheme == WeightScheme::int4 || format.scheme == WeightScheme::int4_min;
+  if (int4 ? (format.group_log2 != 0 && (format.group_log2 < kMinGroupLog2 || format.group_log2 > kMaxGroupLog2)) ||
+                 32 % layout.kr != 0 || (32 * layout.nr) % kInt4ChunkElements != 0
+           : format.scheme != WeightScheme::int8 || format.group_log2 != 0)
+    return false;
+  // Within those bounds nothing below can overflow (the body is < 2^50 bytes); checked anyway, so that raising a
   // bound can never turn a hostile header into a small size.
-  const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, layout.kr);
-  int64_t panel_bytes, sum_bytes, col_sums_offset, nbytes;
-  if (__builtin_mul_overflow(n_padded, k_padded, &panel_bytes) ||
-      __builtin_add_overflow(panel_bytes, static_cast<int64_t>(sizeof(PackedWeightHeader)), &col_sums_offset) ||
-      __builtin_mul_overflow(n_padded, int64_t{4}, &sum_bytes) ||
+  const int64_t group_step = int4 ? (format.group_log2 ? int64_t{1} << format.group_log2 : 32) : layout.kr;
+  const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, group_step);
+  const int64_t group = int4 && format.group_log2 ? group_step : k_padded, groups = k_padded / group;
+  const int64_t values = int4 ? (format.scheme == WeightScheme::int4_min ? 2 : 1) : 0;  // fp32 per group and channel
+  int64_t elements, nibble_bytes, value_bytes, panel_bytes, body, col_sums_offset, sum_bytes, nbytes;
+  if (__builtin_mul_overflow(k_padded, static_cast<int64_t>(layout.nr), &elements) ||
+      __builtin_mul_overflow(groups * layout.nr, 4 * values, &value_bytes))
+    return false;
+  nibble_bytes = int4 ? elements / 2 : 0;
+  panel_bytes = int4 ? nibble_bytes + value_bytes : elements;
+  if (__builtin_mul_overflow(n_padded / layout.nr, panel_bytes, &body) ||
+      __builtin_add_overflow(body, static_cast<int64_t>(sizeof(PackedWeightHeader)), &col_sums_offset) ||
+      __builtin_mul_overflow(int4 ? 0 : n_padded, int64_t{4}, &sum_bytes) ||
       __builtin_add_overflow(col_sums_offset, sum_bytes, &nbytes))
     return false;
-  *sizes = {n_padded, k_padded, col_sums_offset, nbytes};
+  *sizes = {n_padded, k_padded, panel_bytes, nibble_bytes, col_sums_offset, nbytes, group, groups};
   return true;
 }
 
-int64_t packed_weight_nbytes(int64_t n, int64_t k, PanelLayout layout, const char* arg) {
-  return checked_sizes(n, k, layout, arg).nbytes;
+int64_t packed_weight_nbytes(int64_t n, int64_t k, PanelLayout layout, const char* arg, WeightFormat format) {
+  return checked_sizes(n, k, layout, format, arg).nbytes;
+}
+
+void widen_int4(const uint8_t* src, int64_t count, PanelLayout layout, int8_t* dst, int32_t* sums) {
+  for (int64_t c = 0; c < count; c += kInt4ChunkElements, src += 32, dst += kInt4ChunkElements)
+    for (int i = 0; i < 32; ++i) {
+      dst[i] = static_cast<int8_t>((src[i] & 0x0f) - 8);
+      dst[i + 32] = static_cast<int8_t>((src[i] >> 4) - 8);
+    }
+  dst -= count;
+  const int nr = layout.nr, kr = layout.kr, len = nr * kr;
+  int32_t acc[kMaxPanelWidth * kMaxPanelDepth];
+  std::fill(acc, acc + len, 0);
+  sum_groups(dst, count / len, len, acc);
+  for (int j = 0; j < nr; ++j)
+    for (int r = 0; r < kr; ++r) sums[j] += acc[j * kr + r];
 }
 
 bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout) {
@@ -142,30 +187,47 @@ bool kernel_reads_layout(const MicroKernel& kernel, PanelLayout layout) {
   return kernel.reads_any_layout || (own.nr == layout.nr && own.kr == layout.kr);
 }
 
-void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
-                 const ParallelFor& parallel_for) {
+namespace {
+
+// The header of a blob `kernel` packs in `format`, written to blob.
+void write_header(const MicroKernel& kernel, int64_t n, int64_t k, WeightFormat format, const PackedWeightSizes& sizes,
+                  uint8_t* blob) {
   const PanelLayout layout = kernel.geometry().layout;
-  const int nr = layout.nr;
-  const PackedWeightSizes sizes = checked_sizes(n, k, layout, "w");
   PackedWeightHeader header{};
   if (std::strlen(kernel.name) >= sizeof header.packed_by)
     throw std::logic_error(std::string("variant name '") + kernel.name + "' does not fit the packed weight header");
   std::memcpy(header.magic, kPackedMagic, sizeof kPackedMagic);
   header.version = kPackedVersion;
-  header.nr = static_cast<uint16_t>(nr);
-  header.kr = static_cast<uint16_t>(layout.kr);
+  header.nr = static_cast<uint8_t>(layout.nr);
+  header.kr = static_cast<uint8_t>(layout.kr);
+  header.scheme = static_cast<uint8_t>(format.scheme);
+  header.group_log2 = static_cast<uint8_t>(format.group_log2);
   header.n = n;
   header.k = k;
   header.n_padded = sizes.n_padded;
   header.k_padded = sizes.k_padded;
   std::memcpy(header.packed_by, kernel.name, std::strlen(kernel.name));
   std::memcpy(blob, &header, sizeof header);
-  auto* panels = reinterpret_cast<int8_t*>(blob + sizeof header);
+}
+
+void seal(uint8_t* blob, int64_t nbytes) {
+  const uint32_t checksum = packed_weight_checksum(blob, nbytes);
+  std::memcpy(blob + kChecksumOffset, &checksum, sizeof checksum);
+}
+
+}  // namespace
+
+void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
+                 const ParallelFor& parallel_for) {
+  const PanelLayout layout = kernel.geometry().layout;
+  const int nr = layout.nr;
+  const PackedWeightSizes sizes = checked_sizes(n, k, layout, WeightFormat{}, "w");
+  write_header(kernel, n, k, WeightFormat{}, sizes, blob);
+  auto* panels = reinterpret_cast<int8_t*>(blob + sizeof(PackedWeightHeader));
   uint8_t* col_sums = blob + sizes.col_sums_offset;  // any alignment: stored with memcpy
-  const int64_t panel_bytes = sizes.k_padded * nr;
   parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      int8_t* panel = panels + p * panel_bytes;
+      int8_t* panel = panels + p * sizes.panel_bytes;
       for (int j = 0; j < nr; ++j) {
         const int64_t row = p * nr + j;
         int32_t sum = 0;
@@ -178,8 +240,46 @@ void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t 
       }
     }
   });
-  const uint32_t checksum = packed_weight_checksum(blob, sizes.nbytes);
-  std::memcpy(blob + kChecksumOffset, &checksum, sizeof checksum);
+  seal(blob, sizes.nbytes);
+}
+
+void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int64_t k, int64_t ldq,
+                      const float* scales, const float* mins, WeightFormat format, uint8_t* blob,
+                      const ParallelFor& parallel_for) {
+  const PanelLayout layout = kernel.geometry().layout;
+  const int nr = layout.nr;
+  format.scheme = mins ? WeightScheme::int4_min : WeightScheme::int4;
+  const PackedWeightSizes sizes = checked_sizes(n, k, layout, format, "w");
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t kk = 0; kk < k; ++kk)
+      if (q[row * ldq + kk] < -8 || q[row * ldq + kk] > 7)
+        throw std::invalid_argument("w: int4 weights must lie in [-8, 7]; row " + std::to_string(row) + ", k " +
+                                    std::to_string(kk) + " holds " + std::to_string(q[row * ldq + kk]));
+  write_header(kernel, n, k, format, sizes, blob);
+  uint8_t* panels = blob + sizeof(PackedWeightHeader);
+  parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* panel = panels + p * sizes.panel_bytes;
+      std::memset(panel, 0, static_cast<size_t>(sizes.panel_bytes));
+      for (int j = 0; j < nr; ++j) {
+        const int64_t row = p * nr + j;
+        for (int64_t kk = 0; kk < sizes.k_padded; ++kk) {
+          const int64_t e = layout.index(kk, j);
+          const int u = ((row < n && kk < k) ? q[row * ldq + kk] : 0) + 8;
+          panel[nibble_byte(e)] |= static_cast<uint8_t>(u << nibble_shift(e));
+        }
+        for (int64_t g = 0; g < sizes.groups; ++g) {  // [groups][nr] per panel; padded channels 0
+          const float scale = row < n ? scales[row * sizes.groups + g] : 0.f;
+          std::memcpy(panel + sizes.nibble_bytes + (g * nr + j) * 4, &scale, 4);
+          if (mins) {
+            const float minimum = row < n ? mins[row * sizes.groups + g] : 0.f;
+            std::memcpy(panel + sizes.nibble_bytes + ((sizes.groups + g) * nr + j) * 4, &minimum, 4);
+          }
+        }
+      }
+    }
+  });
+  seal(blob, sizes.nbytes);
 }
 
 PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const char* arg) {
@@ -200,19 +300,25 @@ PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const c
     throw std::invalid_argument(name + ": packed weight header: packed_by is not a NUL-terminated printable ASCII "
                                 "variant name (corrupted blob)");
   const PanelLayout layout{h.nr, h.kr};
+  const WeightFormat format{static_cast<WeightScheme>(h.scheme), h.group_log2};
   PackedWeightSizes sizes;
-  if (!packed_weight_sizes(h.n, h.k, layout, &sizes) || sizes.n_padded != h.n_padded || sizes.k_padded != h.k_padded)
+  if (h.scheme > static_cast<uint8_t>(WeightScheme::int4_min) || !packed_weight_sizes(h.n, h.k, layout, format, &sizes) ||
+      sizes.n_padded != h.n_padded || sizes.k_padded != h.k_padded)
     throw std::invalid_argument(
         name + ": packed weight header: n = " + std::to_string(h.n) + ", k = " + std::to_string(h.k) + ", panel " +
-        std::to_string(h.nr) + "x" + std::to_string(h.kr) + ", padded to " + std::to_string(h.n_padded) + " x " +
+        std::to_string(h.nr) + "x" + std::to_string(h.kr) + ", scheme " + std::to_string(h.scheme) + ", group 2^" +
+        std::to_string(h.group_log2) + ", padded to " + std::to_string(h.n_padded) + " x " +
         std::to_string(h.k_padded) + " is outside the format (1 <= n <= " + std::to_string(kMaxPackedN) +
         ", 1 <= k <= " + std::to_string(kMaxK) + ", panel at most " + std::to_string(kMaxPanelWidth) + "x" +
-        std::to_string(kMaxPanelDepth) + ", padding to the next panel multiple) (corrupted blob)");
+        std::to_string(kMaxPanelDepth) + ", scheme 0 (int8, group 0), 1 or 2 (int4, group 0 or 2^" +
+        std::to_string(kMinGroupLog2) + " .. 2^" + std::to_string(kMaxGroupLog2) +
+        "), padding to the next panel or group multiple) (corrupted blob)");
   if (sizes.nbytes != nbytes)
     throw std::invalid_argument(name + ": packed weight header is inconsistent with its size: it describes " +
                                 std::to_string(sizes.nbytes) + " bytes, the tensor has " + std::to_string(nbytes) +
                                 " (corrupted or truncated blob)");
-  return {h, layout, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h), blob + sizes.col_sums_offset};
+  return {h,      layout, format, sizes.group, sizes.groups, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h),
+          sizes.panel_bytes, sizes.nibble_bytes, blob + sizes.col_sums_offset};
 }
 
 void load_col_sums(const PackedWeightView& w, int64_t first, int64_t count, int32_t* dst) {
@@ -230,26 +336,40 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
   // The checksum catches accidents, not edits: anyone can recompute it. So what the tiles trust is checked too:
   // each stored channel sum against its panel (the VNNI / ppc64 tiles subtract 128 * sum rather than summing the
   // weights) and zero padding (pack_a_rows only promises that A's padding contributes 0 against a zero weight).
+  // (int4 blobs carry no sums: the driver sums each block it widens.)
   const PackedWeightHeader& h = w.header;
   const int nr = w.layout.nr, kr = w.layout.kr, group = nr * kr;
   const int64_t groups = h.k_padded / kr, panels = h.n_padded / nr;
   int32_t acc[kMaxPanelWidth * kMaxPanelDepth], stored[kMaxPanelWidth];
   for (int64_t p = 0; p < panels; ++p) {
-    const int8_t* panel = w.panels + p * groups * group;
-    std::fill(acc, acc + group, 0);
-    sum_groups(panel, groups, group, acc);
-    load_col_sums(w, p * nr, nr, stored);
-    for (int j = 0; j < nr; ++j) {
-      int32_t sum = 0;
-      for (int r = 0; r < kr; ++r) sum += acc[j * kr + r];
-      if (sum != stored[j]) throw_corrupted(arg, "channel sums do not match its panels (channel " +
-                                                     std::to_string(p * nr + j) + ")");
+    const int8_t* panel = w.panels + p * w.panel_bytes;
+    if (w.int4()) {  // scales and minimums are weight-side values: finite (the ops' rule), 0 in padded channels
+      const int64_t values = w.groups * nr * (w.has_mins() ? 2 : 1);
+      for (int64_t v = 0; v < values; ++v) {
+        float value;
+        std::memcpy(&value, panel + w.nibble_bytes + v * 4, 4);
+        const int64_t channel = p * nr + v % nr;
+        if (!std::isfinite(value) || (channel >= h.n && value != 0.f))
+          throw_corrupted(arg, std::string(channel >= h.n ? "padded channel's group scale is not 0"
+                                                          : "group scale or minimum is NaN or Inf") +
+                                   " (channel " + std::to_string(channel) + ")");
+      }
+    } else {
+      std::fill(acc, acc + group, 0);
+      sum_groups(panel, groups, group, acc);
+      load_col_sums(w, p * nr, nr, stored);
+      for (int j = 0; j < nr; ++j) {
+        int32_t sum = 0;
+        for (int r = 0; r < kr; ++r) sum += acc[j * kr + r];
+        if (sum != stored[j]) throw_corrupted(arg, "channel sums do not match its panels (channel " +
+                                                       std::to_string(p * nr + j) + ")");
+      }
     }
-    // Padding: k >= K in every channel (all in the last k group), and every k of channels >= N.
+    // Padding: k >= K in every channel (in the last k groups), and every k of channels >= N.
     for (int j = 0; j < nr; ++j) {
       const bool padded_channel = p * nr + j >= h.n;
       for (int64_t kk = padded_channel ? 0 : h.k; kk < h.k_padded; ++kk)
-        if (panel[w.layout.index(kk, j)] != 0)
+        if (panel_element(w, panel, w.layout.index(kk, j)) != 0)
           throw_corrupted(arg, "padding is not zero (channel " + std::to_string(p * nr + j) + ", k " +
                                    std::to_string(kk) + ")");
     }

@@ -240,6 +240,53 @@ at::Tensor pack_weight_op(const at::Tensor& w) {
   return blob;
 }
 
+// int4 weights: q int8 [N, K] holding values in [-8, 7], scale (and minimum) fp32 [N, groups] per group of group_size
+// k (a power of two, 32 .. 65536) or per channel (group_size 0, one group).
+at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
+                               int64_t group_size) {
+  check_cpu(q, "q");
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kChar, "q: dtype must be int8 holding int4 values in [-8, 7] ([N, K]), got ",
+                    q.scalar_type());
+  check_rows(q, "q");
+  TORCH_CHECK_VALUE(q.size(0) > 0, "q: N (dim 0) must be > 0");
+  check_k(q.size(1), "q");
+  int group_log2 = 0;
+  if (group_size != 0) {
+    while (group_log2 < kMaxGroupLog2 && (int64_t{1} << group_log2) < group_size) ++group_log2;
+    TORCH_CHECK_VALUE(group_size >= (int64_t{1} << kMinGroupLog2) && group_size == (int64_t{1} << group_log2),
+                      "group_size: expected 0 (per channel) or a power of two in [", int64_t{1} << kMinGroupLog2, ", ",
+                      int64_t{1} << kMaxGroupLog2, "], got ", group_size);
+  }
+  const int64_t n = q.size(0), k = q.size(1);
+  const int64_t groups = group_size ? (k + group_size - 1) / group_size : 1;
+  auto checked_values = [&](const at::Tensor& t, const char* arg) {
+    check_cpu(t, arg);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, arg, ": expected shape [", n, ", ",
+                      groups, "] (one value per output channel and group of ", group_size ? group_size : k,
+                      " k), got ", t.sizes());
+    const at::Tensor c = t.contiguous();
+    check_finite_weight_side(c, arg);
+    return c;
+  };
+  const at::Tensor s = checked_values(scale, "scale");
+  const at::Tensor mn = minimum ? checked_values(*minimum, "minimum") : at::Tensor();
+  const WeightFormat format{mn.defined() ? WeightScheme::int4_min : WeightScheme::int4, group_log2};
+  const MicroKernel& kernel = active_kernel();
+  const at::Tensor qc = q.contiguous();
+  const int64_t nbytes = as_value_errors(
+      [&] { return packed_weight_nbytes(n, k, kernel.geometry().layout, "q", format); });
+  auto blob = at::empty({nbytes}, q.options().dtype(at::kByte));
+  as_value_errors([&] {
+    pack_weight_int4(kernel, qc.data_ptr<int8_t>(), n, k, k, s.data_ptr<float>(),
+                     mn.defined() ? mn.data_ptr<float>() : nullptr, format, blob.data_ptr<uint8_t>(),
+                     kTorchParallelFor);
+    return 0;
+  });
+  verified_blobs().insert(blob);
+  return blob;
+}
+
 // A 1-D uint8 blob from the caller as a view: its header checked on every call, its contents once per tensor version.
 PackedWeightView checked_blob(const at::Tensor& blob, const char* arg) {
   return as_value_errors([&] {
@@ -445,8 +492,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, const at::
     // Scratch: the per-row scales (a whole number of cache lines), then the driver's.
     const int64_t scales_bytes = round_up(4 * m, 64);
     const PackedWeightHeader& shape = weight.view.header;
-    const int64_t driver_bytes = gated ? gated_linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded, shape.n)
-                                       : linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded);
+    const int64_t groups = weight.view.int4() ? weight.view.groups : 0;  // the activations' int4 group sums
+    const int64_t driver_bytes = gated
+                                     ? gated_linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded, shape.n, groups)
+                                     : linear_scratch_nbytes(kernel, m, shape.k, shape.k_padded, groups);
     const at::Tensor scratch = scratch_buffer(scales_bytes + driver_bytes);
     auto* base = static_cast<uint8_t*>(scratch.data_ptr());
     const int64_t bad = as_value_errors([&] {
@@ -504,6 +553,8 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
       return view_packed_weight(storage.data_ptr<uint8_t>() + e * storage.size(1), storage.size(1), arg);
     }));
     const PackedWeightHeader& h = views.back().header;
+    TORCH_CHECK_VALUE(!views.back().int4(), arg, ": expert ", e, " holds int4 weights; "
+                      "fused_experts takes int8 experts (pack_moe_weights)");
     TORCH_CHECK_VALUE(h.n == n && h.k == k, arg, ": expert ", e, " was packed with shape [", h.n, ", ", h.k,
                       "], expected [", n, ", ", k, "]");
     // The driver packs A once for all experts, so every expert must share one panel layout.
@@ -633,6 +684,7 @@ TORCH_LIBRARY(w8a8_cpu, m) {
       "int8_gated_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) "
       "-> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
+  m.def("pack_weight_int4(Tensor q, Tensor scale, Tensor? minimum=None, int group_size=0) -> Tensor");
   m.def(
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
       "Tensor w2_scale, str activation='silu', bool apply_router_weight_on_input=False) -> Tensor");
@@ -649,6 +701,7 @@ TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
   m.impl("int8_gated_mm_with_quant", &w8a8_cpu::int8_gated_mm_with_quant_op);
   m.impl("pack_weight", &w8a8_cpu::pack_weight_op);
+  m.impl("pack_weight_int4", &w8a8_cpu::pack_weight_int4_op);
   m.impl("fused_experts", &w8a8_cpu::fused_experts_op);
   m.impl("_verify_packed_weight", &w8a8_cpu::verify_packed_weight_op);
 }

@@ -79,6 +79,62 @@ void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
   });
 }
 
+// W4A8: the panel's nibbles u = q + 8 widened in registers (32 bytes -> 64 u8: low nibbles, then the high ones, the
+// panel's element order) and multiplied as the unsigned operand of vpdpbusd against the plain int8 activations:
+// acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum). The groups
+// combine in the driver's fp32 order (mul, then add: no FMA, as everywhere).
+template <int M>
+void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
+               const int32_t* a_group_sums, float* t) {
+  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row (latency, as tile_rows)
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const uint8_t* nibbles = panel;
+  const uint8_t* scales = panel + groups * group * kNr / 2;
+  const uint8_t* mins = scales + groups * kNr * 4;
+  __m512 sum[M];
+  for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[M][U];
+    for (int i = 0; i < M; ++i)
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();
+    // 8 k (two 32-byte steps, one cache line) per iteration: groups are multiples of 32 k
+    auto step = [&](int64_t k, const uint8_t* bytes, int u) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+      const __m512i w = _mm512_and_si512(both, low_nibbles);
+      for (int i = 0; i < M; ++i) {
+        int32_t a4;
+        std::memcpy(&a4, a + i * stride + k, 4);
+        acc[i][u] = dpbusd(acc[i][u], w, _mm512_set1_epi32(a4));
+      }
+    };
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8, nibbles += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(nibbles + kX86PrefetchBytes), _MM_HINT_T1);
+      step(k, nibbles, 0);
+      step(k + 4, nibbles + 32, U - 1);
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + g * kNr * 4);
+    for (int i = 0; i < M; ++i) {
+      __m512i total = acc[i][0];
+      for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][u]);
+      const int32_t a_sum = a_group_sums[i * groups + g];
+      const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a_sum));
+      sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
+      if (has_mins)
+        sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(a_sum)),
+                                                     _mm512_loadu_ps(mins + g * kNr * 4)));
+    }
+  }
+  for (int i = 0; i < M; ++i) _mm512_storeu_ps(t + i * kNr, sum[i]);
+}
+
+void vnni_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout, int64_t group,
+                    int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
+  with_row_count<kMr>(m, [&](auto rows) {
+    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, group, groups, has_mins, a_group_sums, t);
+  });
+}
+
 }  // namespace
 
 extern const MicroKernel kAvx512VnniKernel;  // external linkage: the registry refers to it
@@ -91,6 +147,10 @@ const MicroKernel kAvx512VnniKernel = {
     vnni_tile,
     avx2_row_absmax_bits,
     avx2_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
+    /*a_excludes_int8_min=*/false,
+    vnni_int4_tile,
 };
 
 }  // namespace w8a8_cpu

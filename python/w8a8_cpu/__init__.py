@@ -4,10 +4,13 @@ Quantization convention (every ISA variant produces identical int8 values):
 symmetric per-token int8 in [-127, 127]; amax = max |x| over the row, clamped to >= 1e-10;
 scale = amax / 127; q = clamp(round_half_to_even(x * (127 / amax)), -127, 127), computed in fp32.
 Matmul: out = float32(x_q @ w.T as exact int32) * (x_scale * w_scale) + bias, cast once to out_dtype.
+W4A8 (int4 weights in groups along K): each group's int32 products exact, the groups combined in fp32 in one fixed
+order (t += float(acc_g) * scale_g, t += float(sum_g x_q) * min_g), out = t * (x_scale * w_scale) + bias.
 """
-from ._functions import (fused_experts, info, int8_gated_mm_with_quant, int8_mm, int8_scaled_mm,
-                         int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, packed_rows, per_token_quant_int8,
-                         quantize_weight, scale_accumulators, unpack_weight, use_variant)
+from ._functions import (fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm, int8_scaled_mm,
+                         int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, pack_weight_int4, packed_rows,
+                         per_token_quant_int8, quantize_weight, quantize_weight_int4, scale_accumulators,
+                         unpack_weight, use_variant)
 from . import _autograd, _fake, nn
 
 __version__ = "0.1.0"
@@ -25,9 +28,12 @@ __all__ = [
     "int8_mm",
     "scale_accumulators",
     "pack_weight",
+    "pack_weight_int4",
+    "int4_weight_values",
     "unpack_weight",
     "packed_rows",
     "quantize_weight",
+    "quantize_weight_int4",
     "pack_moe_weights",
     "fused_experts",
     "nn",

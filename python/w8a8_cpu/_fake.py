@@ -265,6 +265,24 @@ def register() -> None:
             raise ValueError(f"apply_router_weight_on_input: requires topk == 1, got topk = {topk}")
         return hidden.new_empty(hidden.shape)
 
+    @register_fake("w8a8_cpu::pack_weight_int4")
+    def _pack_weight_int4(q, scale, minimum=None, group_size=0):
+        _check_same_device(q, scale=scale, minimum=minimum)
+        if q.dtype != torch.int8:
+            raise ValueError(f"q: dtype must be int8 holding int4 values in [-8, 7] ([N, K]), got {q.dtype}")
+        _check_rows(q, "q")
+        if q.shape[0] <= 0:
+            raise ValueError("q: N (dim 0) must be > 0")
+        _check_k(q.shape[1], "q")
+        if group_size and (group_size < 32 or group_size & (group_size - 1) or group_size > 65536):
+            raise ValueError(f"group_size: expected 0 (per channel) or a power of two in [32, 65536], got {group_size}")
+        n, k = q.shape
+        groups = (k + group_size - 1) // group_size if group_size else 1
+        for t, arg in ((scale, "scale"), (minimum, "minimum")):
+            if t is not None and (t.dtype != torch.float32 or list(t.shape) != [n, groups]):
+                raise ValueError(f"{arg}: expected float32 [{n}, {groups}], got {t.dtype} {list(t.shape)}")
+        return q.new_empty((packed_weight_nbytes(n, k, group_size, minimum is not None),), dtype=torch.uint8)
+
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):
         if w.dtype != torch.int8:

@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ._loader import ops
-from ._packed_weight import HEADER_BYTES, header_sizes
+from ._packed_weight import HEADER_BYTES, header_format, header_sizes
 
 
 def info() -> dict:
@@ -95,6 +95,10 @@ def int8_scaled_mm_with_quant(
     """Fused per-token quantization of x [..., K] and int8_scaled_mm -> [..., N] (default dtype: x.dtype).
     amax: per-row absmax to quantize with, as in per_token_quant_int8.
 
+    W4A8: w packed by pack_weight_int4 (int4 weights with their group scales and minimums inside the blob); w_scale
+    [N] then multiplies each output channel on top (ones for a plain W4A8 layer). Each group's int32 products are
+    exact; the groups combine in fp32 in one fixed order shared by every variant (docs/ARCHITECTURE.md).
+
     Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (w_int8 * w_scale[:, None]) in
     fp32, cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
     that requires grad makes backward raise ValueError naming it."""
@@ -109,7 +113,7 @@ def int8_gated_mm_with_quant(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """A SwiGLU MLP's gate and up projections as one op: w holds 2I output channels, the gate's rows then the up's
+    """A SwiGLU MLP's gate and up projections as one op (int4 weights too, as in int8_scaled_mm_with_quant): w holds 2I output channels, the gate's rows then the up's
     (int8 [2I, K] or packed), w_scale fp32 [2I], bias [2I] or None. x [..., K] is quantized per token once, one GEMM
     gives gate and up exactly as int8_scaled_mm_with_quant would for each half (bit for bit), then
     silu(gate) * up in fp32 (the fused MoE's SiLU, identical on every variant), cast once -> [..., I] in out_dtype
@@ -127,16 +131,58 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return ops.pack_weight(w)
 
 
+def pack_weight_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None,
+                     group_size: int = 32) -> torch.Tensor:
+    """Pack W4A8 weights (quantize_weight_int4's output): q int8 [N, K] holding values in [-8, 7], scale fp32 [N,
+    groups] and minimum None or fp32 [N, groups] per group of group_size consecutive k (a power of two >= 32; 0: one
+    group per channel), w = scale * q (+ minimum). One blob in the active variant's panel layout: two weights per
+    byte, each panel followed by its group scales (and minimums), K padded to whole groups; the header names the
+    scheme and group size. The linear ops take it like an int8 blob, with w_scale [N] multiplying on top (ones)."""
+    _require_tensors(q=q, scale=scale)
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise ValueError(f"group_size: expected an int, got {group_size!r}")
+    return ops.pack_weight_int4(q, scale, minimum, group_size)
+
+
+def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+    """(q int8 [N, K] in [-8, 7], scale fp32 [N, groups], minimum fp32 [N, groups] or None, group size (0: per
+    channel)) of a verified W4A8 blob: pack_weight_int4's inputs back (to save checkpoints)."""
+    q = unpack_weight(blob)
+    raw = blob.detach().contiguous()
+    nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
+    scheme, group = header_format(raw)
+    if scheme == 0:
+        raise ValueError("blob: holds int8 weights (pack_weight); int4_weight_values reads pack_weight_int4's blobs")
+    groups = k_padded // (group or k_padded)
+    values = 2 if scheme == 2 else 1
+    nibble_bytes = k_padded * nr // 2
+    panel_bytes = nibble_bytes + groups * nr * 4 * values
+    body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
+    floats = body[:, nibble_bytes:].contiguous().view(torch.float32).view(n_padded // nr, values, groups, nr)
+    per_channel = floats.permute(1, 0, 3, 2).reshape(values, n_padded, groups)[:, :n]
+    return q, per_channel[0].contiguous(), per_channel[1].contiguous() if values == 2 else None, group
+
+
 def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tensor, int, int]:
     """(panels int8 [N_padded / nr, K_padded / kr, nr, kr], n, k) of a blob, after verifying it as the ops do
-    (header bounds, checksum, channel sums; a bad one raises ValueError): panel[k / kr][n % nr][k % kr]."""
+    (header bounds, checksum, channel sums; a bad one raises ValueError): panel[k / kr][n % nr][k % kr]. int4
+    panels come widened to int8 (values -8..7)."""
     if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
         raise ValueError(f"{arg}: expected the 1-D uint8 output of pack_weight, got "
                          f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
     raw = blob.detach().contiguous()
     ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
+    scheme, group = header_format(raw)
+    if scheme != 0:  # int4: per panel, nibbles (u = q + 8; 32 bytes hold 64 elements: low nibbles, then high) + values
+        groups = k_padded // (group or k_padded)
+        nibble_bytes = k_padded * nr // 2
+        panel_bytes = nibble_bytes + groups * nr * 4 * (2 if scheme == 2 else 1)
+        body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
+        chunks = body[:, :nibble_bytes].reshape(-1, 32).to(torch.int16)
+        panels = (torch.cat([chunks & 0x0F, chunks >> 4], dim=1) - 8).to(torch.int8).reshape(-1)
+    else:
+        panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
     return panels.view(n_padded // nr, k_padded // kr, nr, kr), n, k
 
 
@@ -225,3 +271,39 @@ def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise ValueError("w: weight contains NaN or Inf")
     w_q, w_scale = ops.per_token_quant_int8(w32, None)
     return w_q, w_scale.reshape(-1)
+
+
+def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True
+                         ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Round-to-nearest int4 quantization of a float [N, K] weight per group of group_size consecutive k (0: one group
+    per channel) -> (q int8 [N, K] in [-8, 7], scale fp32 [N, groups], min fp32 [N, groups] or None), such that
+    w ~ scale * q + min per group (the form pack_weight_int4's ops compute; K is padded to whole groups with zeros).
+
+    symmetric: scale = absmax / 7.5, q = clamp(round(w / scale), -8, 7) (compressed-tensors' symmetric int4 rule),
+    min None. Otherwise (asymmetric, llama.cpp Q4_1's min-max rule): scale = (max - min) / 15 over the group,
+    u = clamp(round((w - min) / scale), 0, 15), so w ~ scale * u + min; stored as q = u - 8 with minimum
+    min + 8 * scale. (An integer zero point z, as GPTQ / AWQ checkpoints have, is the minimum -scale * (z - 8).)"""
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
+        raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
+                         f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
+    n, k = w.shape
+    if not isinstance(group_size, int) or group_size < 0 or (group_size and group_size & (group_size - 1)) or \
+            0 < group_size < 32:
+        raise ValueError(f"group_size: expected 0 (per channel) or a power of two >= 32, got {group_size!r}")
+    w32 = w.detach().to(torch.float32)
+    if not torch.isfinite(w32).all():
+        raise ValueError("w: weight contains NaN or Inf")
+    group = group_size or k
+    k_padded = (k + group - 1) // group * group
+    grouped = torch.nn.functional.pad(w32, (0, k_padded - k)).view(n, k_padded // group, group)
+    if symmetric:
+        scale = (grouped.abs().amax(dim=-1) / 7.5).clamp_min(1e-10)
+        q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-8, 7)
+        minimum = None
+    else:
+        low = grouped.amin(dim=-1)
+        scale = ((grouped.amax(dim=-1) - low) / 15).clamp_min(1e-10)
+        q = torch.round((grouped - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15) - 8
+        minimum = low + 8 * scale
+    q = q.view(n, k_padded)[:, :k].to(torch.int8).contiguous()
+    return q, scale.contiguous(), None if minimum is None else minimum.contiguous()

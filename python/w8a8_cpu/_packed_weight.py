@@ -6,7 +6,7 @@ runnable variant."""
 from __future__ import annotations
 
 import json
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -19,9 +19,16 @@ MAGIC = b"W8A8PKW\0"  # its first 8 bytes (kPackedMagic)
 def header_sizes(blob) -> Tuple[int, int, int, int, int, int]:
     """(nr, kr, n, k, n_padded, k_padded) from the header of a blob (uint8 tensor) that ops._verify_packed_weight
     accepted: only then are they bounded and describe the blob. Offsets as PackedWeightHeader's."""
-    nr, kr = (int(v) for v in blob[12:16].clone().view(torch.int16).tolist())
+    nr, kr = int(blob[12]), int(blob[13])
     n, k, n_padded, k_padded = (int(v) for v in blob[16:48].clone().view(torch.int64).tolist())
     return nr, kr, n, k, n_padded, k_padded
+
+
+def header_format(blob) -> Tuple[int, int]:
+    """(scheme: 0 int8, 1 int4, 2 int4 with minimums (WeightScheme); group size along K, 0 for one group per channel)
+    of a verified blob's header."""
+    scheme, group_log2 = int(blob[14]), int(blob[15])
+    return scheme, (1 << group_log2) if group_log2 else 0
 
 
 def panel_layout() -> Tuple[int, int]:
@@ -30,10 +37,17 @@ def panel_layout() -> Tuple[int, int]:
     return info["panel_width"], info["panel_depth"]
 
 
-def packed_weight_nbytes(n: int, k: int) -> int:
+def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_mins: bool = False) -> int:
     """Bytes of pack_weight's blob for an int8 [n, k] weight in the active variant's layout: the header, the int8
-    panels (N and K padded to whole panels) and one int32 channel sum per padded channel."""
+    panels (N and K padded to whole panels) and one int32 channel sum per padded channel; with int4_group (0: per
+    channel, else the group size), pack_weight_int4's: the header and the int4 panels (K padded to whole groups, or
+    to 32 per channel), each with its fp32 group scales (and minimums)."""
     nr, kr = panel_layout()
     n_padded = (n + nr - 1) // nr * nr
-    k_padded = (k + kr - 1) // kr * kr
-    return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+    if int4_group is None:
+        k_padded = (k + kr - 1) // kr * kr
+        return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+    step = int4_group or 32
+    k_padded = (k + step - 1) // step * step
+    groups = k_padded // (int4_group or k_padded)
+    return HEADER_BYTES + n_padded * k_padded // 2 + n_padded * groups * 4 * (2 if int4_mins else 1)

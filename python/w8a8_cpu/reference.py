@@ -64,3 +64,26 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, 
         down = int8_scaled_mm(a_q, w2[e], a_scale, w2_scale[e].reshape(-1))
         out.index_add_(0, tokens, weights[tokens, slots][:, None] * down)
     return out.to(hidden.dtype)
+
+
+def int4_scaled_mm(x_q: torch.Tensor, w_q: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                   group_scale: torch.Tensor, group_min: Optional[torch.Tensor], group_size: int,
+                   bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The W4A8 ops' exact result: w_q int8 [N, K] in [-8, 7], group_scale / group_min fp32 [N, groups] (group_size
+    0: one group), w_scale fp32 [N]. Each group's int32 products (exact, in fp64), combined in fp32 in the ops' order:
+    t = 0; per group t = t + float(acc_g) * scale_g, then t = t + float(sum_g x_q) * min_g; out = t * (x_scale *
+    w_scale) (+ bias), cast once."""
+    n, k = w_q.shape
+    group = group_size or k
+    groups = (k + group - 1) // group
+    t = torch.zeros(x_q.shape[0], n, dtype=torch.float32)
+    for g in range(groups):
+        cols = slice(g * group, min(k, (g + 1) * group))
+        acc = (x_q[:, cols].double() @ w_q[:, cols].double().T).to(torch.float32)
+        t = t + acc * group_scale[:, g]
+        if group_min is not None:
+            t = t + x_q[:, cols].double().sum(dim=1, keepdim=True).to(torch.float32) * group_min[:, g]
+    out = t * (x_scale.reshape(-1, 1).to(torch.float32) * w_scale.reshape(1, -1).to(torch.float32))
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)

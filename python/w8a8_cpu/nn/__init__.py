@@ -8,8 +8,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
-from .._functions import (_gather_rows, _verified_panels, fused_experts, int8_scaled_mm_with_quant, pack_moe_weights,
-                          pack_weight, quantize_weight, unpack_weight)
+from .._functions import (_gather_rows, _verified_panels, fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
+                          pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
+                          unpack_weight)
 from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
@@ -105,6 +106,72 @@ class W8A8Linear(_Fp32Scales):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class W4A8Linear(W8A8Linear):
+    """Linear layer with int4 weights in groups along K (fp32 scale, optionally a minimum, per group) and per-token
+    int8 activations: W8A8Linear's forward and op on a blob of the int4 scheme (pack_weight_int4: the scheme is the
+    blob's, so every op, variant and the driver serve both). w_scale [N] multiplies each output channel on top (ones
+    unless a checkpoint's layer has one). Each group's int32 products are exact; groups combine in fp32 in one
+    fixed order (docs/ARCHITECTURE.md), identical on every variant."""
+
+    _NO_FLOAT_WEIGHT = ("W4A8Linear has no float weight: it holds int4 weights with group scales, packed "
+                        "(int4_weight() gives them back)")
+
+    def __init__(self, q: torch.Tensor, group_scale: torch.Tensor, group_min: Optional[torch.Tensor], group_size: int,
+                 bias: Optional[torch.Tensor] = None, w_scale: Optional[torch.Tensor] = None):
+        _Fp32Scales.__init__(self)
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"q: expected int8 [N, K] holding [-8, 7], got {q.dtype} {tuple(q.shape)}")
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        self.register_buffer("weight_packed", pack_weight_int4(q.contiguous(), group_scale, group_min, group_size))
+        scale = torch.ones(q.shape[0]) if w_scale is None else w_scale
+        self.register_buffer("w_scale", _finite_fp32(scale, "w_scale").reshape(-1))
+        self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True) -> "W4A8Linear":
+        """Round-to-nearest int4 of the float weight per group (quantize_weight_int4)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
+        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric)
+        return cls(q, scale, minimum, group_size, linear.bias)
+
+    def int8_weight(self) -> torch.Tensor:
+        raise ValueError("W4A8Linear holds int4 weights with group scales, not an int8 weight with channel scales: "
+                         "use int4_weight()")
+
+    def int4_weight(self) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
+        """(q int8 [N, K] in [-8, 7], group scales [N, groups], group minimums or None, group size) from the blob."""
+        return int4_weight_values(self.weight_packed)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"int4 groups of {self.group_size or self.in_features}")
+
+
+def _concatenated(parts: List[W8A8Linear]) -> W8A8Linear:
+    """One layer over the parts' output channels, in order, of their scheme (all W8A8Linear, or all W4A8Linear of one
+    group size and symmetry): its outputs are the parts' outputs side by side, bit for bit."""
+    bias = torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None
+    w_scale = torch.cat([p.w_scale for p in parts])
+    if type(parts[0]) is W8A8Linear:
+        return W8A8Linear(torch.cat([p.int8_weight() for p in parts]), w_scale, bias)
+    values = [p.int4_weight() for p in parts]
+    mins = None if values[0][2] is None else torch.cat([v[2] for v in values])
+    return W4A8Linear(torch.cat([v[0] for v in values]), torch.cat([v[1] for v in values]), mins, values[0][3], bias,
+                      w_scale)
+
+
+def _same_scheme(parts) -> bool:
+    """Whether the layers can be concatenated: one class, one input size, biases alike, and for int4 one group size
+    and symmetry."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1 or not kinds <= {W8A8Linear, W4A8Linear} or len({p.in_features for p in parts}) != 1 or \
+            len({p.bias is None for p in parts}) != 1:
+        return False
+    return kinds != {W4A8Linear} or len({(p.group_size, p.int4_weight()[2] is None) for p in parts}) == 1
+
+
 def _below_autograd(x: torch.Tensor, *tracked) -> bool:
     """Whether a forward may call the op below the Python autograd kernel (~8 us per call there; a decoder LLM makes
     ~200 such calls per token): no gradient wanted and not tracing. Older torch (no Python autograd kernels,
@@ -168,20 +235,20 @@ class W8A8GatedMLP(_Fp32Scales):
 
     _fp32_buffers = ("gate_up_scale",)
 
-    def __init__(self, gate_up_q: torch.Tensor, gate_up_scale: torch.Tensor, gate_up_bias: Optional[torch.Tensor],
-                 down_proj: W8A8Linear):
+    def __init__(self, gate_up: W8A8Linear, down_proj: W8A8Linear):
+        """gate_up: one W8A8Linear (or W4A8Linear) over the gate's output channels, then the up's."""
         super().__init__()
-        if gate_up_q.dtype != torch.int8 or gate_up_q.dim() != 2 or gate_up_q.shape[0] % 2:
-            raise ValueError(f"gate_up_q: expected int8 [2I, H] (gate rows, then up rows), got {gate_up_q.dtype} "
-                             f"{tuple(gate_up_q.shape)}")
-        self.intermediate_size, self.hidden_size = gate_up_q.shape[0] // 2, gate_up_q.shape[1]
+        if not isinstance(gate_up, W8A8Linear) or gate_up.out_features % 2:
+            raise ValueError(f"gate_up: expected a W8A8Linear or W4A8Linear of 2I output channels (gate rows, then up "
+                             f"rows), got {type(gate_up).__name__} {getattr(gate_up, 'out_features', '')}")
+        self.intermediate_size, self.hidden_size = gate_up.out_features // 2, gate_up.in_features
         if down_proj.in_features != self.intermediate_size:
             raise ValueError(f"down_proj: expects {down_proj.in_features} input features, the gate/up projection gives "
                              f"{self.intermediate_size}")
-        self.register_buffer("gate_up_packed", pack_weight(gate_up_q.contiguous()))
-        self.register_buffer("gate_up_scale", _finite_fp32(gate_up_scale, "gate_up_scale").reshape(-1))
-        self.register_buffer("gate_up_bias", None if gate_up_bias is None else _finite_fp32(gate_up_bias,
-                                                                                            "gate_up_bias"))
+        self.int4 = isinstance(gate_up, W4A8Linear)
+        self.register_buffer("gate_up_packed", gate_up.weight_packed)
+        self.register_buffer("gate_up_scale", gate_up.w_scale)
+        self.register_buffer("gate_up_bias", gate_up.bias)
         self.down_proj = down_proj
 
     @classmethod
@@ -194,9 +261,9 @@ class W8A8GatedMLP(_Fp32Scales):
         gate, up, down = (p if isinstance(p, W8A8Linear) else W8A8Linear.from_linear(p) for p in parts)
         if (gate.bias is None) != (up.bias is None):
             raise ValueError("mlp: gate_proj and up_proj must both have a bias or neither")
-        bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
-        return cls(torch.cat([gate.int8_weight(), up.int8_weight()]), torch.cat([gate.w_scale, up.w_scale]), bias,
-                   down)
+        if not _same_scheme([gate, up]):
+            raise ValueError("mlp: gate_proj and up_proj must have one weight scheme (W8A8, or W4A8 of one group size)")
+        return cls(_concatenated([gate, up]), down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the op has no gradient (no autograd kernel, so no Python detour to skip)
@@ -206,6 +273,9 @@ class W8A8GatedMLP(_Fp32Scales):
     def projections(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
         """{"gate_proj" | "up_proj": (int8 weight [I, H], w_scale [I], bias or None)}: the unfused layers, for
         checkpoints that keep the per-layer names."""
+        if self.int4:
+            raise ValueError("W8A8GatedMLP over int4 weights: W4A8 checkpoints are not written yet (save_compressed "
+                             "takes W8A8 models)")
         w, i = unpack_weight(self.gate_up_packed), self.intermediate_size
         b = self.gate_up_bias
         return {"gate_proj": (w[:i], self.gate_up_scale[:i], None if b is None else b[:i]),
@@ -419,10 +489,19 @@ def _tied_elsewhere(holders: Dict[int, List[str]], names: List[str],
             for other in holders[id(p)] if other not in own]
 
 
+SCHEMES = ("w8a8", "w4a8")
+
+
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
-                   fuse: bool = False) -> torch.nn.Module:
+                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32,
+                   symmetric: bool = True) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
+
+    scheme="w4a8": the Linear layers become W4A8Linear instead (round-to-nearest int4 per group of group_size k,
+    0: per channel; symmetric, or asymmetric with a minimum per group: quantize_weight_int4), except an output layer
+    that shares its table with the int8 embedding (quantize_embedding=True), which stays W8A8. MoE experts stay W8A8
+    (fused_experts takes int8 experts).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.
@@ -442,6 +521,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     (skip=["lm_head"]) to keep the float tie. Once quantized, model.get_output_embeddings() returns the W8A8Linear,
     which has no float `weight`: reading it raises AttributeError and assigning one (model.tie_weights(),
     resize_token_embeddings) raises ValueError."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
     if isinstance(skip, str):
         skip = [skip]
     embedding = _input_embedding(model) if quantize_embedding else None
@@ -465,8 +546,12 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                 warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets "
                               f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
                               f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
-        replacement = (W8A8Linear.from_linear(module) if isinstance(module, torch.nn.Linear)
-                       else W8A8Experts.from_experts(module))
+        if not isinstance(module, torch.nn.Linear):
+            replacement = W8A8Experts.from_experts(module)
+        elif scheme == "w4a8" and not tied_to_embedding:
+            replacement = W4A8Linear.from_linear(module, group_size, symmetric)
+        else:
+            replacement = W8A8Linear.from_linear(module)
         if tied_to_embedding:
             shares_embedding = replacement
         for name in names:
@@ -501,11 +586,8 @@ def fuse_projections(model: torch.nn.Module) -> Dict[str, List[str]]:
     fused: Dict[str, List[str]] = {"attention": [], "mlp": []}
     for name, module in list(model.named_modules()):
         parts = [getattr(module, p, None) for p in _QKV]
-        if all(isinstance(p, W8A8Linear) for p in parts) and len({p.in_features for p in parts}) == 1 \
-                and len({p.bias is None for p in parts}) == 1:
-            has_bias = parts[0].bias is not None
-            whole = W8A8Linear(torch.cat([p.int8_weight() for p in parts]), torch.cat([p.w_scale for p in parts]),
-                               torch.cat([p.bias for p in parts]) if has_bias else None)
+        if all(isinstance(p, W8A8Linear) for p in parts) and _same_scheme(parts):
+            whole = _concatenated(parts)
             cache: list = []
             begin = 0
             for pname, p in zip(_QKV, parts):
@@ -513,6 +595,7 @@ def fuse_projections(model: torch.nn.Module) -> Dict[str, List[str]]:
                 begin += p.out_features
             fused["attention"].append(name)
         elif all(isinstance(getattr(module, p, None), W8A8Linear) for p in ("gate_proj", "up_proj", "down_proj")) \
+                and _same_scheme([module.gate_proj, module.up_proj]) \
                 and callable(getattr(module, "act_fn", None)) and is_silu(module.act_fn) and name:
             _replace_module(model, name, W8A8GatedMLP.from_mlp(module))
             fused["mlp"].append(name)
@@ -525,5 +608,5 @@ def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) 
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-__all__ = ["W8A8Linear", "W8A8LinearSlice", "W8A8GatedMLP", "W8A8Embedding", "W8A8MoE", "W8A8Experts",
+__all__ = ["W8A8Linear", "W4A8Linear", "W8A8LinearSlice", "W8A8GatedMLP", "W8A8Embedding", "W8A8MoE", "W8A8Experts",
            "quantize_model", "fuse_projections"]

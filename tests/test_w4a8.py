@@ -1,0 +1,199 @@
+"""W4A8: int4 weights in groups along K (symmetric, or with a minimum per group) with per-token int8 activations, on
+every variant: bit-exact against the reference's fixed fp32 order over exact int32 group products, close to the fp64
+product of the dequantized weight, the blob untrusted as int8 blobs are, and the modules (W4A8Linear,
+quantize_model(scheme="w4a8"), fusion) built on the same ops."""
+import copy
+import random
+
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+from w8a8_cpu.nn import W4A8Linear, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, quantize_model
+
+CASES = [  # (m, n, k, group_size, symmetric)
+    (1, 40, 100, 32, True), (5, 33, 300, 64, False), (17, 64, 1000, 0, False), (70, 48, 512, 128, True),
+    (3, 16, 4096, 32, False), (9, 20, 33, 0, True), (2, 7, 64, 32, False),
+]
+
+
+def dequantized(q, scale, minimum, group_size):
+    """The float weight [N, K] the int4 values stand for, in fp64."""
+    n, k = q.shape
+    group = group_size or k
+    g = torch.arange(k) // group
+    w = q.double() * scale.double()[:, g]
+    return w if minimum is None else w + minimum.double()[:, g]
+
+
+def int4_case(gen, n, k, group_size, symmetric):
+    w = torch.randn(n, k, generator=gen)
+    q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric)
+    return w, q, scale, minimum
+
+
+@pytest.mark.parametrize("m,n,k,group_size,symmetric", CASES)
+def test_int4_linear_is_exact_on_every_variant(variant, gen, m, n, k, group_size, symmetric):
+    _, q, scale, minimum = int4_case(gen, n, k, group_size, symmetric)
+    blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size)
+    x = torch.randn(m, k, generator=gen)
+    w_scale = torch.rand(n, generator=gen) + 0.5
+    bias = torch.randn(n, generator=gen)
+    x_q, x_scale = reference.per_token_quant_int8(x)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale, bias, out_dtype)
+        want = reference.int4_scaled_mm(x_q, q, x_scale, w_scale, scale, minimum, group_size, bias, out_dtype)
+        assert torch.equal(got, want), (variant, out_dtype)
+    # and the fp32 order is a rounding of the exact product with the dequantized weight
+    exact = (x_q.double() @ dequantized(q, scale, minimum, group_size).T) * x_scale.double() * w_scale.double() + \
+        bias.double()
+    got = w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale, bias, torch.float32).double()
+    assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+
+
+def test_int4_values_round_trip_and_rounding_rules(gen):
+    w = torch.randn(24, 96, generator=gen)
+    for group_size, symmetric in ((32, True), (64, False), (0, False)):
+        q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric)
+        assert q.dtype == torch.int8 and int(q.min()) >= -8 and int(q.max()) <= 7
+        blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size)
+        assert torch.equal(w8a8_cpu.unpack_weight(blob), q)
+        q2, scale2, minimum2, group2 = w8a8_cpu.int4_weight_values(blob)
+        assert torch.equal(q2, q) and torch.equal(scale2, scale) and group2 == group_size
+        assert (minimum is None and minimum2 is None) or torch.equal(minimum, minimum2)
+        error = (dequantized(q, scale, minimum, group_size) - w.double()).abs()
+        step = scale.double().repeat_interleave(group_size or 96, dim=1)[:, :96]
+        assert (error <= step * 0.5 + 1e-6).all()  # round to nearest: within half a step of every weight
+    # a weight already on an asymmetric grid of its groups (levels 0 and 15 present in each) comes back exactly
+    levels = torch.randint(0, 16, (8, 64), generator=gen)
+    levels[:, ::32], levels[:, 1::32] = 0, 15
+    grid = levels.float() * 0.25 - 1.0
+    q, scale, minimum = w8a8_cpu.quantize_weight_int4(grid, 32, symmetric=False)
+    assert torch.allclose(dequantized(q, scale, minimum, 32).float(), grid, atol=1e-6)
+
+
+def test_int4_blob_size_matches_the_python_rule(variant, gen):
+    from w8a8_cpu._packed_weight import packed_weight_nbytes
+
+    for n, k, group_size, symmetric in ((33, 100, 32, True), (16, 300, 0, False), (5, 64, 64, False)):
+        _, q, scale, minimum = int4_case(gen, n, k, group_size, symmetric)
+        blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size)
+        assert blob.numel() == packed_weight_nbytes(n, k, group_size, minimum is not None)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q * 2, s, m, 32), "int4 weights must lie in \\[-8, 7\\]"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 48), "group_size: expected 0 \\(per channel\\) or a power"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 16), "group_size"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s[:, :1], m, 32), "scale: expected shape \\[12, 3\\]"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s.double(), m, 32), "scale: dtype must be float32"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s.index_fill(1, torch.tensor([1]), float("nan")), m, 32),
+     "scale: element 1 is nan"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m.index_fill(0, torch.tensor([2]), float("inf")), 32),
+     "minimum: element 6 is inf"),
+    (lambda q, s, m: w8a8_cpu.int8_mm(torch.zeros(1, 90, dtype=torch.int8), w8a8_cpu.pack_weight_int4(q, s, m, 32)),
+     "int4 weights are computed by the linear ops"),
+])
+def test_bad_int4_input_raises_naming_it(gen, call, message):
+    _, q, scale, minimum = int4_case(gen, 12, 90, 32, False)
+    with pytest.raises(ValueError, match=message):
+        call(q, scale, minimum)
+
+
+def test_int4_blob_is_untrusted_input(gen):
+    """Edited nibbles, scales or header fields of an int4 blob: a ValueError (the checksum, the header bounds, the
+    content checks), or, for an edit resealed with a new checksum (a blob describing other int4 weights: int4 panels
+    carry no channel sums), exactly the result of the weights the edited blob holds. A resealed NaN scale is refused by
+    the content check."""
+    from test_packed_weight_safety import HEADER, as_tensor, put, raw_bytes, seal
+
+    _, q, scale, minimum = int4_case(gen, 20, 96, 32, False)
+    blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, 32)
+    x = torch.randn(3, 96, generator=gen)
+    ones = torch.ones(20)
+    want = w8a8_cpu.int8_scaled_mm_with_quant(x, blob, ones)
+    rng = random.Random(5)
+    outcomes = {"value_error": 0, "exact": 0}
+    for _ in range(300):
+        b = raw_bytes(blob)
+        for _ in range(rng.randint(1, 3)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        if rng.random() < 0.5:
+            seal(b)
+        try:
+            got = w8a8_cpu.int8_scaled_mm_with_quant(x, as_tensor(bytes(b)), ones)
+        except ValueError:
+            outcomes["value_error"] += 1
+            continue
+        q2, scale2, minimum2, group2 = w8a8_cpu.int4_weight_values(as_tensor(bytes(b)))
+        x_q, x_scale = reference.per_token_quant_int8(x)
+        assert torch.equal(got, reference.int4_scaled_mm(x_q, q2, x_scale, ones, scale2, minimum2, group2))
+        outcomes["exact"] += 1
+    assert outcomes["value_error"] > 150 and outcomes["exact"] > 0
+    assert torch.equal(w8a8_cpu.int8_scaled_mm_with_quant(x, blob, ones), want)
+    b = raw_bytes(blob)
+    nr = b[12]
+    scales_at = HEADER + 96 * nr // 2
+    b[scales_at:scales_at + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    with pytest.raises(ValueError, match="group scale or minimum is NaN or Inf"):
+        w8a8_cpu.int8_scaled_mm_with_quant(x, as_tensor(bytes(seal(b))), ones)
+    b = put(raw_bytes(blob), "scheme", 0)  # an int4 blob relabelled int8: its size no longer fits
+    with pytest.raises(ValueError, match="packed weight header"):
+        w8a8_cpu.int8_scaled_mm_with_quant(x, as_tensor(bytes(seal(b))), ones)
+
+
+def test_gated_int4_equals_the_separate_int4_layers(variant, gen):
+    _, q, scale, minimum = int4_case(gen, 64, 128, 32, False)
+    fused = w8a8_cpu.pack_weight_int4(q, scale, minimum, 32)
+    parts = [w8a8_cpu.pack_weight_int4(q[i:i + 32], scale[i:i + 32], minimum[i:i + 32], 32) for i in (0, 32)]
+    x = torch.randn(5, 128, generator=gen)
+    gate, up = (w8a8_cpu.int8_scaled_mm_with_quant(x, p, torch.ones(32), None, torch.float32) for p in parts)
+    got = w8a8_cpu.int8_gated_mm_with_quant(x, fused, torch.ones(64), None, torch.float32)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_quantize_model_w4a8_and_fusion(gen):
+    pytest.importorskip("transformers")
+    model = tiny_llama()
+    ids = torch.randint(0, 300, (1, 12), generator=gen)
+    unfused = quantize_model(copy.deepcopy(model), scheme="w4a8", group_size=32, symmetric=False,
+                             quantize_embedding=True)
+    layers = dict(unfused.named_modules())
+    assert isinstance(layers["model.layers.0.self_attn.q_proj"], W4A8Linear)
+    assert isinstance(layers["model.layers.1.mlp.down_proj"], W4A8Linear)
+    assert type(layers["lm_head"]) is W8A8Linear  # shares its int8 table with the embedding
+    fused = copy.deepcopy(unfused)
+    w8a8_cpu.nn.fuse_projections(fused)
+    assert isinstance(fused.model.layers[0].self_attn.k_proj, W8A8LinearSlice)
+    assert isinstance(fused.model.layers[0].mlp, W8A8GatedMLP)
+    attention = fused.model.layers[0].self_attn
+    x = torch.randn(1, 5, 64, generator=gen)
+    for name in ("q_proj", "k_proj", "v_proj"):  # bit for bit the separate int4 layers
+        assert torch.equal(getattr(attention, name)(x), getattr(unfused.model.layers[0].self_attn, name)(x))
+    with torch.no_grad():
+        want, got = unfused(ids).logits, fused(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # the fused SiLU differs in the last bits
+    with pytest.raises(ValueError, match="scheme: expected one of w8a8, w4a8"):
+        quantize_model(copy.deepcopy(model), scheme="w3a8")
+
+
+def test_w4a8_linear_follows_the_float_layer(gen):
+    linear = torch.nn.Linear(256, 48)
+    x = torch.randn(4, 256, generator=gen)
+    for symmetric in (True, False):
+        layer = W4A8Linear.from_linear(linear, 32, symmetric)
+        q, scale, minimum, group = layer.int4_weight()
+        expected = torch.nn.functional.linear(x.double(), dequantized(q, scale, minimum, group), linear.bias.double())
+        torch.testing.assert_close(layer(x).double(), expected, rtol=0.05, atol=0.05)  # int8 activations
+        with pytest.raises(ValueError, match="use int4_weight"):
+            layer.int8_weight()

@@ -795,3 +795,82 @@ def test_many_or_long_targets_bounded(checkpoint):
     start = time.monotonic()
     load_quantized(checkpoint)
     assert time.monotonic() - start < 10
+
+
+# ---- W4A8 (pack-quantized) -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen2"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_w4a8_checkpoint_round_trip_is_bit_identical(arch, fuse, tmp_path):
+    """Symmetric W4A8 layers are written pack-quantized (int4 packed 8 per int32, group scales, weight_shape) under
+    their per-layer names; load_quantized builds W4A8Linear layers with the same int4 values and scales."""
+    from w8a8_cpu.nn import W4A8Linear
+
+    model = quantize_model(float_model(arch), skip=["lm_head"], scheme="w4a8", group_size=32, fuse=fuse)
+    save_compressed(model, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and list(qc["config_groups"]) == ["group_1"]
+    group = qc["config_groups"]["group_1"]
+    assert group["weights"]["num_bits"] == 4 and group["weights"]["group_size"] == 32
+    assert "model.layers.1.self_attn.k_proj" in group["targets"]
+    files = stored(tmp_path)
+    assert files["model.layers.0.mlp.down_proj.weight_packed"].dtype == torch.int32
+    assert files["model.layers.0.mlp.down_proj.weight_shape"].tolist() == [64, 96]
+    loaded = load_quantized(tmp_path, fuse=fuse)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, W4A8Linear)
+    assert torch.equal(logits(loaded), logits(model))
+
+
+def test_w4a8_with_float_minimums_is_refused_on_save(tmp_path):
+    model = quantize_model(float_model("qwen2"), skip=["lm_head"], scheme="w4a8", symmetric=False)
+    with pytest.raises(ValueError, match="per-group minimums .* cannot hold exactly; quantize with symmetric=True"):
+        save_compressed(model, tmp_path)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_written_int4_checkpoint_loads(symmetric, tmp_path):
+    """A W4A8 checkpoint written by the compressed-tensors library itself (int4 groups of 32, symmetric or with
+    integer zero points, int8 dynamic per-token activations): our layers hold exactly its int4 values and scales
+    (w = scale * (q - zero point)), and the logits follow its own forward (which fake-quantizes activations with
+    scale amax / 127.5 rather than amax / 127: compared with a tolerance)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from w8a8_cpu.nn import W4A8Linear
+
+    model = float_model("qwen2")
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32),
+        input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    expected = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "weight_scale"):
+            w = module.weight.detach().view(module.weight.shape[0], -1, 32)
+            if symmetric:
+                scale, zero = w.abs().amax(dim=-1) / 7.5, torch.zeros(w.shape[:2])
+            else:
+                low, high = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+                scale = (high - low) / 15
+                zero = (torch.round(-low / scale) - 8).clamp(-8, 7)
+                module.weight_zero_point.data.copy_(zero.to(module.weight_zero_point.dtype))
+            module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
+            q = torch.clamp(torch.round(w / scale.unsqueeze(-1)) + zero.unsqueeze(-1), -8, 7)
+            expected[name] = (q.reshape(module.weight.shape).to(torch.int8), scale, zero)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(tmp_path)
+    compressor.update_config(tmp_path)
+    loaded = load_quantized(tmp_path)
+    for name, (q, scale, zero) in expected.items():
+        layer = loaded.get_submodule(name)
+        assert isinstance(layer, W4A8Linear), name
+        got_q, got_scale, got_min, group = layer.int4_weight()
+        assert torch.equal(got_q, q) and torch.equal(got_scale, scale) and group == 32, name
+        assert (got_min is None) == symmetric
+        if not symmetric:
+            assert torch.equal(got_min, -scale * zero)
+    got, want = logits(loaded), logits(model)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()

@@ -1,5 +1,5 @@
-"""Fuzzing checkpoint directories: load_quantized on mutated copies of small W8A8 checkpoints (single-file and sharded,
-dense and MoE). Mutations: config.json and generation_config.json (values of other types and sizes, deleted or
+"""Fuzzing checkpoint directories: load_quantized on mutated copies of small W8A8 and W4A8 (pack-quantized) checkpoints
+(single-file and sharded, dense and MoE). Mutations: config.json and generation_config.json (values of other types and sizes, deleted or
 added fields, quantization_config edits, byte flips, truncation), model.safetensors.index.json (weight_map entries,
 bytes), and the safetensors files themselves (header length, header JSON bytes, dtypes, shapes, data offsets,
 truncation). Every case must end in a ValueError or a model that loads and gives finite logits; anything else
@@ -63,11 +63,13 @@ def _base_checkpoints(root: Path) -> list:
                "qwen2_moe": transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                                         shared_expert_intermediate_size=32, intermediate_size=48,
                                                         **common)}
+    configs["llama-w4a8"] = configs["llama"]
     bases = []
     for name, config in configs.items():
         torch.manual_seed(0)
         model = quantize_model(transformers.AutoModelForCausalLM.from_config(config).eval(),
-                               skip=["lm_head", "*.gate", "*shared_expert_gate"])
+                               skip=["lm_head", "*.gate", "*shared_expert_gate"],
+                               scheme="w4a8" if name.endswith("w4a8") else "w8a8")
         for shards in (None, 24 * 1024):
             folder = root / f"{name}-{'sharded' if shards else 'single'}"
             save_compressed(model, folder, max_shard_bytes=shards)

@@ -29,7 +29,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .._files import read_json_object
-from ..nn import (W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
+from ..nn import (W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE,
+                  _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
 
 PathLike = Union[str, Path]
@@ -124,19 +125,54 @@ _INT8_TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "str
                            "dynamic": True}
 
 
-def _compressed_tensors_config(ignore: List[str]) -> dict:
+def _int4_weights(group_size: int) -> dict:
+    """compressed-tensors' QuantizationArgs of symmetric int4 weights per group (0: per channel)."""
+    return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group" if group_size else "channel",
+            "group_size": group_size or None, "dynamic": False}
+
+
+def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, int], has_int8: bool) -> dict:
+    """int8 layers: one group targeting Linear (int-quantized); int4 layers ({name: group size}): one pack-quantized
+    group per group size naming them (exact names take precedence over the class target)."""
+    groups = {}
+    if has_int8 or not int4_layers:
+        groups["group_0"] = {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
+                             "input_activations": dict(_INT8_TOKEN_ACTIVATIONS), "output_activations": None,
+                             "format": "int-quantized"}
+    for i, group_size in enumerate(sorted(set(int4_layers.values())), start=1):
+        groups[f"group_{i}"] = {"targets": sorted(n for n, g in int4_layers.items() if g == group_size),
+                                "weights": _int4_weights(group_size), "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
+                                "output_activations": None, "format": "pack-quantized"}
+    formats = {group["format"] for group in groups.values()}
     return {
         "quant_method": "compressed-tensors",
-        "format": "int-quantized",
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
-                                      "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
-                                      "output_activations": None, "format": "int-quantized"}},
+        "config_groups": groups,
         "ignore": ignore,
         "kv_cache_scheme": None,
         "sparsity_config": {},
         "transform_config": {},
     }
+
+
+_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+
+
+def _pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' pack-quantized int32 form of int4 values [rows, count]: value j of a row, plus 8, in bits
+    4 (j % 8) .. 4 (j % 8) + 3 of word j // 8; the last word padded with 0."""
+    rows, count = q.shape
+    words = -(-count // 8)
+    u = torch.nn.functional.pad(q.to(torch.int64) + 8, (0, words * 8 - count)).view(rows, words, 8)
+    packed = (u << _NIBBLE_SHIFTS).sum(dim=-1)
+    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
+
+
+def _unpack_int4_rows(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The int4 values [rows, count] of _pack_int4_rows' form."""
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> _NIBBLE_SHIFTS) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :count] - 8).to(torch.int8)
 
 
 def _expert_tensors(names, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale=None, down_scale=None):
@@ -158,6 +194,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
     """(tensors by checkpoint name, checkpoint names of the Linear-like layers kept float)."""
     tensors: Dict[str, torch.Tensor] = {}
     float_layers: List[str] = []
+    int4_layers: Dict[str, int] = {}  # checkpoint name -> group size (0: per channel)
     written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
 
     def linear(name: str, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -166,6 +203,23 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
         tensors[f"{prefix}.weight_scale"] = scale.reshape(-1, 1).clone()  # clones: no storage shared in safetensors
         if bias is not None:
             tensors[f"{prefix}.bias"] = bias.clone()
+
+    def layer(name: str, module: W8A8Linear) -> None:
+        """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones (symmetric groups only)."""
+        if not isinstance(module, W4A8Linear):
+            return linear(name, module.int8_weight(), module.w_scale, module.bias)
+        prefix = naming.checkpoint_name(name)
+        q, scale, minimum, group = module.int4_weight()
+        if minimum is not None or not torch.equal(module.w_scale, torch.ones_like(module.w_scale)):
+            raise ValueError(f"model: {name} is a W4A8Linear with per-group minimums (or channel scales), which "
+                             f"compressed-tensors' int4 format (integer zero points) cannot hold exactly; quantize "
+                             f"with symmetric=True to save it")
+        tensors[f"{prefix}.weight_packed"] = _pack_int4_rows(q)
+        tensors[f"{prefix}.weight_scale"] = scale.clone()
+        tensors[f"{prefix}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
+        if module.bias is not None:
+            tensors[f"{prefix}.bias"] = module.bias.clone()
+        int4_layers[prefix] = group
 
     # an int8 embedding is written as floats (what every reader takes for an embedding), and an lm_head reading the
     # same int8 table as the tied float lm_head that it stands for: not written, float in the config
@@ -184,11 +238,13 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
             tensors[naming.checkpoint_name(f"{name}.weight")] = module.dequantized().contiguous()
         elif isinstance(module, W8A8Linear) and id(module.weight_packed) in int8_tables:
             float_layers.append(naming.checkpoint_name(name))
-        elif isinstance(module, (W8A8Linear, W8A8LinearSlice)):
-            linear(name, module.int8_weight(), module.w_scale, module.bias)
+        elif isinstance(module, W8A8Linear):
+            layer(name, module)
+        elif isinstance(module, W8A8LinearSlice):
+            layer(name, module.layer())
         elif isinstance(module, W8A8GatedMLP):  # written as gate_proj / up_proj; down_proj is a W8A8Linear child
-            for part, (weight, scale, bias) in module.projections().items():
-                linear(f"{name}.{part}", weight, scale, bias)
+            for part, projection in module.projections().items():
+                layer(f"{name}.{part}", projection)
         elif isinstance(module, W8A8Experts):
             names = naming.expert_linears(name, module.num_experts)
             tensors.update(_expert_tensors(names, *module.int8_weights(), module.w13_scale, module.w2_scale))
@@ -209,7 +265,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
             continue
         seen.add(id(tensor))
         tensors[naming.checkpoint_name(key)] = tensor.detach().contiguous()
-    return tensors, float_layers
+    return tensors, float_layers, int4_layers
 
 
 def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) -> List[Dict[str, torch.Tensor]]:
@@ -268,7 +324,8 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
                              f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
                              f"config.tie_word_embeddings = False")
-    tensors, float_layers = _checkpoint_tensors(model, _Naming(config))
+    tensors, float_layers, int4_layers = _checkpoint_tensors(model, _Naming(config))
+    has_int8 = any(t.dtype == torch.int8 for t in tensors.values())  # int8 weights (int4 ones are packed in int32)
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -279,7 +336,7 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config_dict = config.to_dict()
     config_dict["architectures"] = [type(model).__name__]
     config_dict["dtype"] = str(model.dtype).removeprefix("torch.")
-    config_dict["quantization_config"] = _compressed_tensors_config(float_layers)
+    config_dict["quantization_config"] = _compressed_tensors_config(float_layers, int4_layers, has_int8)
     config_dict.pop(OWN_CONFIG_KEY, None)
     if any(isinstance(m, W8A8Embedding) for m in model.modules()):
         config_dict[OWN_CONFIG_KEY] = {"int8_embedding": True}
@@ -308,7 +365,7 @@ class _Scheme:
     """Which Linear layers of a checkpoint are stored W8A8, and their weight-scale strategy."""
 
     where: str  # "<config.json path> quantization_config", for messages
-    targets: Dict[str, str]  # compressed-tensors target -> weight strategy ("channel" / "tensor"), in config order
+    targets: Dict[str, Union[str, "_Int4Args"]]  # target -> int8 strategy ("channel" / "tensor") or int4 args
     ignore: Tuple[str, ...]
     by_stored_dtype: bool  # sglang w8a8_int8: a layer is W8A8 iff its weight is stored int8
 
@@ -322,7 +379,7 @@ class _Scheme:
         pattern = self._patterns.get(target)
         return pattern.match(name) is not None if pattern is not None else target == name
 
-    def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]) -> Optional[str]:
+    def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]):
         """The layer's weight strategy, or None when the checkpoint keeps it float."""
         # compressed-tensors' rule: an exact module name, a `re:` regex matched at the name's start, or a class name
         ignored = any(self._name_matches(t, layer) or t in classes for t in self.ignore)
@@ -412,12 +469,50 @@ _ARGS_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "bloc
                 "scale_dtype", "zp_dtype", "observer", "observer_kwargs")
 
 
-def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: bool) -> str:
-    """Validate one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy."""
+@dataclass(frozen=True)
+class _Int4Args:
+    """A layer's int4 weights: scales per group of group_size k (0: per channel), integer zero points unless
+    symmetric; packed 8 per int32 (pack-quantized) or one per int8 (int-quantized, as compressed-tensors writes W4A8
+    with int8 activations)."""
+    group_size: int
+    symmetric: bool
+    packed: bool = True
+
+
+def _check_int4_args(args: dict, where: str, field: str, packed: bool) -> _Int4Args:
+    """4-bit weights: group or channel strategy, symmetric or with zero points."""
+    _require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
+             "w8a8_cpu runs int4 integer weights only")
+    _require(args.get("symmetric", True) in (True, False), where, f"{field}.symmetric", args.get("symmetric"),
+             "expected true or false")
+    group_size = args.get("group_size")
+    strategy = _lower(args.get("strategy")) or ("channel" if group_size in (None, -1) else "group")
+    _require(strategy in ("group", "channel"), where, f"{field}.strategy", strategy,
+             "w8a8_cpu runs int4 weights per group or per channel")
+    if strategy == "group":
+        _require(type(group_size) is int and 32 <= group_size <= 65536 and group_size & (group_size - 1) == 0,
+                 where, f"{field}.group_size", group_size, "w8a8_cpu runs int4 groups of a power of two from 32 to 65536")
+    else:
+        _require(group_size in (None, -1), where, f"{field}.group_size", group_size, "expected none per channel")
+    _require(args.get("block_structure") is None, where, f"{field}.block_structure", args.get("block_structure"),
+             "block-wise scales are not supported")
+    _require(args.get("dynamic", False) is False, where, f"{field}.dynamic", args.get("dynamic"),
+             "expected false: weights carry static scales")
+    _require(args.get("actorder") in (None, False, "weight"), where, f"{field}.actorder", args.get("actorder"),
+             "activation-ordered groups (g_idx) are not supported")
+    return _Int4Args(group_size if strategy == "group" else 0, args.get("symmetric", True), packed)
+
+
+def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: bool,
+                int4_format: Optional[str] = None):
+    """Validate one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy (int8), or
+    for 4-bit weights (int4_format: the group's format, given for weights) an _Int4Args."""
     _require(isinstance(args, dict), where, field, args, "expected an object")
     _check_fields(args, _ARGS_FIELDS, where, field)
+    if int4_format is not None and args.get("num_bits") == 4:
+        return _check_int4_args(args, where, field, packed=int4_format == _INT4_FORMAT)
     _require(args.get("num_bits", 8) == 8, where, f"{field}.num_bits", args.get("num_bits"),
-             "w8a8_cpu runs 8-bit quantization only")
+             "w8a8_cpu runs 8-bit quantization only (4-bit weights: pack-quantized)")
     _require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
              "w8a8_cpu runs int8 only (not float / fp8)")
     _require(args.get("symmetric", True) is True, where, f"{field}.symmetric", args.get("symmetric"),
@@ -444,6 +539,7 @@ _COMPRESSED_TENSORS_FIELDS = ("quant_method", "format", "quantization_status", "
                               "moe_sparsity_config", "version")
 _GROUP_FIELDS = ("targets", "weights", "input_activations", "output_activations", "format")
 _FORMATS = ("int-quantized", "naive-quantized")  # both store int8 weights and their scales as they are
+_INT4_FORMAT = "pack-quantized"  # int4 weights packed 8 per int32
 
 
 def _compressed_tensors_scheme(qc: dict, where: str) -> _Scheme:
@@ -463,14 +559,17 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> _Scheme:
                  "expected a scheme object (preset-name groups are not supported)")
         _check_fields(group, _GROUP_FIELDS, where, field)
         group_format = group.get("format") or qc.get("format")
-        _require(group_format in _FORMATS, where, f"{field}.format", group_format,
-                 f"w8a8_cpu reads {' / '.join(_FORMATS)} only")
+        _require(group_format in (*_FORMATS, _INT4_FORMAT), where, f"{field}.format", group_format,
+                 f"w8a8_cpu reads {' / '.join((*_FORMATS, _INT4_FORMAT))} only")
         _require(group.get("weights") is not None, where, f"{field}.weights", None, "expected int8 weights")
         _require(group.get("input_activations") is not None, where, f"{field}.input_activations", None,
                  "weight-only quantization is not W8A8 (expected int8 dynamic per-token activations)")
         _require(group.get("output_activations") is None, where, f"{field}.output_activations",
                  group.get("output_activations"), "output quantization is not supported")
-        strategy = _check_args(group["weights"], where, f"{field}.weights", ("channel", "tensor"), dynamic=False)
+        strategy = _check_args(group["weights"], where, f"{field}.weights", ("channel", "tensor"), dynamic=False,
+                               int4_format=group_format)
+        _require(group_format != _INT4_FORMAT or isinstance(strategy, _Int4Args), where, f"{field}.format",
+                 group_format, "pack-quantized holds 4-bit weights; int8 weights are int-quantized")
         _check_args(group["input_activations"], where, f"{field}.input_activations", ("token",), dynamic=True)
         for target in _check_names(group.get("targets"), where, f"{field}.targets"):
             targets[target] = strategy  # a later group's scheme replaces an earlier one's (compressed-tensors' rule)
@@ -654,9 +753,50 @@ class _Loader:
         return (self.tensors.int8(weight, shape, shard.weight_index),
                 self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy, shard.channel_index))
 
+    def _int4_linear(self, name: str, layer: str, args: "_Int4Args", module: torch.nn.Linear) -> None:
+        """A pack-quantized layer as a W4A8Linear: weight_packed int32 [N, ceil(K / 8)], weight_shape [N, K],
+        weight_scale [N, groups], and without symmetry weight_zero_point int32 [ceil(N / 8), groups] (packed along
+        the channels); w = scale * (q - zero point) = scale * q + (-scale * zero point)."""
+        n, k = module.weight.shape
+        groups = -(-k // args.group_size) if args.group_size else 1
+        if args.packed:
+            packed = self.tensors._take(f"{layer}.weight_packed", ("I32",), [[n, -(-k // 8)]],
+                                        "int4 weights, 8 per int32")
+            shape = self.tensors._take(f"{layer}.weight_shape", ("I64", "I32"), [[2]], "the weight's shape [N, K]")
+            if shape.tolist() != [n, k]:
+                raise ValueError(f"{self.tensors._where(f'{layer}.weight_shape')} is {_echo(shape.tolist())}; the "
+                                 f"model's layer is [{n}, {k}]")
+            q = _unpack_int4_rows(packed, k)
+        else:
+            q = self.tensors.int8(f"{layer}.weight", [n, k])
+            if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+                raise ValueError(f"{self.tensors._where(f'{layer}.weight')} holds values outside int4's [-8, 7]")
+        scale = self.tensors.floating(f"{layer}.weight_scale", [n, groups], torch.float32)
+        minimum = None
+        if not args.symmetric:
+            key = f"{layer}.weight_zero_point"
+            if args.packed:
+                zero = self.tensors._take(key, ("I32",), [[-(-n // 8), groups]],
+                                          "int4 zero points, 8 per int32 along the channels")
+                zero = _unpack_int4_rows(zero.T.contiguous(), n).T
+            else:
+                zero = self.tensors._take(key, ("I8", "I32"), [[n, groups]], "int4 zero points")
+                if zero.numel() and (int(zero.min()) < -8 or int(zero.max()) > 7):
+                    raise ValueError(f"{self.tensors._where(key)} holds values outside int4's [-8, 7]")
+            minimum = -scale * zero.to(torch.float32)
+        bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
+                                                                      torch.float32)
+        _replace_module(self.model, name, W4A8Linear(q, scale, minimum, args.group_size, bias))
+
     def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
         classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
+        strategy = self._strategy(layer, classes)
+        if isinstance(strategy, _Int4Args):
+            if shard is not None:
+                raise ValueError(f"{self.tensors.directory}: {layer} holds int4 weights; a sharded load splits it, "
+                                 f"which w8a8_cpu.distributed does for W8A8 layers only")
+            return self._int4_linear(name, layer, strategy, module)
         weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype, shard)
         if scale is None:
             module.weight = torch.nn.Parameter(weight, requires_grad=False)  # its bias: with the other parameters
@@ -674,7 +814,11 @@ class _Loader:
         experts, inter2, hidden = gate_up.shape
         shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
         all_layers = self.naming.expert_linears(name, experts)
-        quantized = {self._strategy(layer, ("Linear",)) is not None for layers in all_layers for layer in layers}
+        strategies = [self._strategy(layer, ("Linear",)) for layers in all_layers for layer in layers]
+        if any(isinstance(strategy, _Int4Args) for strategy in strategies):
+            raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} hold int4 "
+                             f"weights; w8a8_cpu runs MoE experts in W8A8 only")
+        quantized = {strategy is not None for strategy in strategies}
         if len(quantized) > 1:
             raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} are "
                              f"partly int8, partly float; w8a8_cpu runs an experts module wholly one or the other")

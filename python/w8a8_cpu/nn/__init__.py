@@ -149,6 +149,16 @@ class W4A8Linear(W8A8Linear):
                 f"int4 groups of {self.group_size or self.in_features}")
 
 
+def _rows_of(layer: W8A8Linear, begin: int, end: int) -> W8A8Linear:
+    """Output channels [begin, end) of a W8A8Linear or W4A8Linear as a layer of its own, of the same scheme."""
+    bias = None if layer.bias is None else layer.bias[begin:end]
+    if isinstance(layer, W4A8Linear):
+        q, scale, minimum, group = layer.int4_weight()
+        return W4A8Linear(q[begin:end], scale[begin:end], None if minimum is None else minimum[begin:end], group, bias,
+                          layer.w_scale[begin:end])
+    return W8A8Linear(layer.int8_weight()[begin:end], layer.w_scale[begin:end], bias)
+
+
 def _concatenated(parts: List[W8A8Linear]) -> W8A8Linear:
     """One layer over the parts' output channels, in order, of their scheme (all W8A8Linear, or all W4A8Linear of one
     group size and symmetry): its outputs are the parts' outputs side by side, bit for bit."""
@@ -223,6 +233,10 @@ class W8A8LinearSlice(torch.nn.Module):
         """This slice's int8 [end - begin, K] weight (to save checkpoints with the unfused layer names)."""
         return self.fused.int8_weight()[self.begin:self.end]
 
+    def layer(self) -> W8A8Linear:
+        """This slice as a layer of its own (W8A8Linear or W4A8Linear: to save checkpoints with the unfused names)."""
+        return _rows_of(self.fused, self.begin, self.end)
+
     def extra_repr(self) -> str:
         return f"channels [{self.begin}, {self.end}) of a fused {self.fused.out_features}-channel W8A8Linear"
 
@@ -270,16 +284,15 @@ class W8A8GatedMLP(_Fp32Scales):
         act = _ops.int8_gated_mm_with_quant(x, self.gate_up_packed, self.gate_up_scale, self.gate_up_bias, None)
         return self.down_proj(act)
 
-    def projections(self) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
-        """{"gate_proj" | "up_proj": (int8 weight [I, H], w_scale [I], bias or None)}: the unfused layers, for
-        checkpoints that keep the per-layer names."""
-        if self.int4:
-            raise ValueError("W8A8GatedMLP over int4 weights: W4A8 checkpoints are not written yet (save_compressed "
-                             "takes W8A8 models)")
-        w, i = unpack_weight(self.gate_up_packed), self.intermediate_size
-        b = self.gate_up_bias
-        return {"gate_proj": (w[:i], self.gate_up_scale[:i], None if b is None else b[:i]),
-                "up_proj": (w[i:], self.gate_up_scale[i:], None if b is None else b[i:])}
+    def projections(self) -> Dict[str, W8A8Linear]:
+        """{"gate_proj" | "up_proj": the unfused layer (W8A8Linear or W4A8Linear)}, for checkpoints that keep the
+        per-layer names."""
+        whole = W8A8Linear.__new__(W4A8Linear if self.int4 else W8A8Linear)
+        _Fp32Scales.__init__(whole)
+        whole.out_features, whole.in_features = 2 * self.intermediate_size, self.hidden_size
+        whole.weight_packed, whole.w_scale, whole.bias = self.gate_up_packed, self.gate_up_scale, self.gate_up_bias
+        i = self.intermediate_size
+        return {"gate_proj": _rows_of(whole, 0, i), "up_proj": _rows_of(whole, i, 2 * i)}
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gate/up fused"

@@ -1,4 +1,4 @@
-"""python -m w8a8_cpu [llm | demo | check | bench]: the main job, a decoder LLM in W8A8 (llm); W8A8 sentence
+"""python -m w8a8_cpu [llm | demo | check | bench | quantize]: the main job, a decoder LLM in W8A8 (llm); W8A8 sentence
 embeddings with MiniLM (demo); the CPU/dispatch report, self-check of every runnable variant and short benchmark
 (check); or the benchmark suite on real-model shapes (bench), with SmolLM2 end to end against CTranslate2 int8
 (bench llm). No subcommand: llm when the llm extra is installed, else demo when the demo extra is, else check;
@@ -43,7 +43,7 @@ def _parsers():
         "without a subcommand "
         "(e.g. --shape 4 64 128) run 'check'. Set W8A8_CPU_ISA=<variant> to force a kernel variant.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{llm,demo,check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{llm,demo,check,bench,quantize}")
     llm = sub.add_parser("llm", help="main job: W8A8 SmolLM2-135M (SmoothQuant) vs fp32 and torch.ao (perplexity, "
                          "KL, generation, size, speed)", description=LLM_DESCRIPTION)
     llm.add_argument("--eval-tokens", type=positive_int, default=4096, help="tokens of the evaluation text (default 4096)")
@@ -74,6 +74,12 @@ def _parsers():
     check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     from . import bench as bench_mod
     from . import bench_llm
+    from . import quantize as quantize_mod
+
+    quantize = sub.add_parser("quantize", help="a W8A8 (or W4A8) compressed-tensors checkpoint from a transformers "
+                              "checkpoint directory (SmoothQuant, held-out report, tokenizer files)",
+                              description=quantize_mod.DESCRIPTION)
+    quantize_mod.add_arguments(quantize)
 
     bench = sub.add_parser("bench", help="benchmark suite: Llama-3-8B-like linears and MoE vs torch baselines",
                            description=bench_mod.DESCRIPTION)
@@ -83,7 +89,8 @@ def _parsers():
     bench_llm_parser = bench_modes.add_parser("llm", help="end-to-end SmolLM2-135M decode and prefill of fp32, "
                                               "torch.ao, W8A8 and CTranslate2 int8", description=bench_llm.DESCRIPTION)
     bench_llm.add_arguments(bench_llm_parser)
-    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench, "bench llm": bench_llm_parser}
+    return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench, "bench llm": bench_llm_parser,
+                    "quantize": quantize}
 
 
 def main(argv: List[str] = None) -> int:
@@ -119,6 +126,10 @@ def main(argv: List[str] = None) -> int:
         from . import bench_llm
 
         return bench_llm.run(args, subs["bench llm"])
+    if args.command == "quantize":
+        from . import quantize as quantize_mod
+
+        return quantize_mod.run(args, subs["quantize"])
     if args.command == "bench":
         from . import bench as bench_mod
 

@@ -27,3 +27,16 @@ def output_file(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text}: is a directory")
     return text
+
+
+def output_folder_parent(text: str) -> str:
+    """A folder the run will create or fill: its parent must exist and be writable now, and it must not be a file."""
+    path = os.path.abspath(text)
+    parent = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text}: exists and is not a folder")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.isdir(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return text

@@ -293,7 +293,30 @@ def _reads_int8_table(model: torch.nn.Module, target: str, source: str) -> bool:
         layer.weight_packed is table.weight_packed
 
 
-def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None) -> None:
+# Tokenizer files a transformers checkpoint directory may hold (copied by save_compressed from a source directory).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    """tokenizer: an object with save_pretrained (a transformers tokenizer), or a directory whose tokenizer files
+    (TOKENIZER_FILES, regular files only) are copied."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(directory)
+        return
+    source = Path(tokenizer)
+    if not source.is_dir():
+        raise ValueError(f"tokenizer: expected a tokenizer or a directory holding its files, got {_echo(str(tokenizer))}")
+    copied = [name for name in TOKENIZER_FILES if (source / name).is_file() and not (source / name).is_symlink()]
+    if not copied:
+        raise ValueError(f"tokenizer: {source} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    for name in copied:
+        (directory / name).write_bytes((source / name).read_bytes())
+
+
+def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None,
+                    tokenizer=None) -> None:
     """Write a transformers model quantized by quantize_model as a compressed-tensors checkpoint in `directory`.
 
     config.json is the model's config plus a quantization_config (quant_method "compressed-tensors", format
@@ -308,8 +331,10 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     transformers read such a checkpoint as they read any other), with config.json's "w8a8_cpu": {"int8_embedding":
     true} telling load_quantized to hold the table in int8 again. With max_shard_bytes the tensors are
     split into `model-0000i-of-0000n.safetensors` shards listed by model.safetensors.index.json (one shard is
-    written as model.safetensors). generation_config.json is written when the model has one; the tokenizer is the
-    caller's. Weight files of an earlier checkpoint in `directory` are removed first."""
+    written as model.safetensors). generation_config.json is written when the model has one; tokenizer (a
+    transformers tokenizer, or the source checkpoint directory whose tokenizer files are copied) is saved beside it,
+    so that servers (vLLM) load the directory as it is. Every file written is readable by other users (0644: a
+    server often runs as another user). Weight files of an earlier checkpoint in `directory` are removed first."""
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0):
         raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes!r}")
     config = getattr(model, "config", None)
@@ -344,18 +369,28 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(directory)
 
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, directory)
+    written = [CONFIG_FILE, "generation_config.json", *TOKENIZER_FILES]
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], str(directory / SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file_name))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file_name))
+            written.append(file_name)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(INDEX_FILE)
+    for name in written:  # safetensors writes its files 0600
+        path = directory / name
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o644)
 
 
 # ---- quantization schemes (read) -------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""python -m w8a8_cpu quantize MODEL_DIR OUT_DIR: a W8A8 (or W4A8) checkpoint from a transformers checkpoint directory.
+
+Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
+bundled one, the Apache License 2.0 text), keeps its last --held-out-tokens for the report, runs SmoothQuant on the
+rest (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
+held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float), and writes OUT_DIR:
+config.json with the compressed-tensors quantization_config, the weights (sharded with --max-shard-size), the
+tokenizer files, generation_config.json, and README.md with what was done and the held-out perplexity before and
+after. Every file is readable by other users. vLLM serves the directory as it is; load_quantized reads it back."""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from .options import output_folder_parent, positive_int
+from .timing import Progress
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("\n", " ")
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "llm" / "data" / "calibration.txt"
+SEARCH_ALPHAS = (0.4, 0.5, 0.6, 0.7, 0.8)
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '500MB', '1.5G', '1000000' -> bytes (powers of 1000, as transformers' max_shard_size)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GB or 500MB, got {text!r}")
+    value = float(match.group(1)) * 1000 ** "KMGT".find(match.group(2).upper()) if match.group(2) else \
+        float(match.group(1))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return int(value)
+
+
+def smoothquant_option(text: str):
+    if text in ("search", "none"):
+        return text
+    try:
+        alpha = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an alpha in [0, 1], 'search' or 'none', got {text!r}") from None
+    if not 0.0 <= alpha <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected an alpha in [0, 1], got {alpha}")
+    return alpha
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="transformers checkpoint directory (float weights)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=output_folder_parent,
+                        help="where to write the quantized checkpoint (created; its weight files are replaced)")
+    parser.add_argument("--scheme", choices=("w8a8", "w4a8"), default="w8a8",
+                        help="w8a8 (default) or w4a8: int4 weights per --group-size, symmetric (the form "
+                             "compressed-tensors stores)")
+    parser.add_argument("--group-size", type=int, default=32, help="W4A8 group size along K (default 32; 0: per "
+                        "channel)")
+    parser.add_argument("--smoothquant", type=smoothquant_option, default="search", metavar="ALPHA|search|none",
+                        help=f"SmoothQuant migration strength, 'search' (default: each of {SEARCH_ALPHAS}, the "
+                             f"lowest KL to the float model on the held-out tokens) or 'none'")
+    parser.add_argument("--calibration", type=Path, default=CALIBRATION_TEXT, metavar="FILE",
+                        help="calibration text (default: the bundled Apache License 2.0 text)")
+    parser.add_argument("--calibration-tokens", type=positive_int, default=1024,
+                        help="calibration tokens (default 1024)")
+    parser.add_argument("--held-out-tokens", type=positive_int, default=512,
+                        help="tokens after the calibration tokens kept for the report and the alpha search "
+                             "(default 512)")
+    parser.add_argument("--skip", nargs="+", default=["lm_head"], metavar="PATTERN",
+                        help="module-name globs kept float (default: lm_head)")
+    parser.add_argument("--max-shard-size", type=parse_size, default=None, metavar="SIZE",
+                        help="split the weights into files of at most SIZE (e.g. 2GB)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def check_arguments(args, parser) -> None:
+    """Everything checkable before loading the model (parser.error: exit 2)."""
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        parser.error(f"MODEL_DIR {model_dir}: no config.json (expected a transformers checkpoint directory)")
+    if not args.calibration.is_file():
+        parser.error(f"--calibration {args.calibration}: not a file")
+    if args.group_size < 0 or (args.group_size and (args.group_size < 32 or args.group_size & (args.group_size - 1))):
+        parser.error(f"--group-size {args.group_size}: expected 0 (per channel) or a power of two >= 32")
+    if Path(args.out_dir).resolve() == model_dir.resolve():
+        parser.error("OUT_DIR must differ from MODEL_DIR (its weight files would be replaced)")
+
+
+def _tokens(tokenizer, path: Path, count: int) -> torch.Tensor:
+    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
+    if ids.numel() < count:
+        raise ValueError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
+                         f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
+    return ids[:count]
+
+
+def _held_out(models: Dict[str, torch.nn.Module], ids: torch.Tensor) -> Dict[str, dict]:
+    from w8a8_cpu.llm import evaluate
+
+    window = min(512, ids.numel())
+    return evaluate.compare_on_text(models, "float", ids, window, max(1, window // 2))
+
+
+def run(args, parser) -> int:
+    check_arguments(args, parser)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never the network
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # this command's own progress bar reports the steps
+
+    from w8a8_cpu.llm.checkpoint import save_compressed
+    from w8a8_cpu.llm.smoothquant import smooth_quant
+    from w8a8_cpu.nn import quantize_model
+
+    progress = Progress(6, enabled=not args.no_progress, name="quantize")
+    progress.step(f"loading {args.model_dir}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").eval()
+    except (OSError, ValueError, KeyError) as e:
+        print(f"quantize: cannot load {args.model_dir} with transformers: {e}", file=sys.stderr)
+        return 2
+    ids = _tokens(tokenizer, args.calibration, args.calibration_tokens + args.held_out_tokens)
+    calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
+    t0 = time.perf_counter()
+
+    def quantized(float_model: torch.nn.Module) -> torch.nn.Module:
+        return quantize_model(float_model, skip=args.skip, scheme=args.scheme, group_size=args.group_size,
+                              symmetric=True)
+
+    alpha: Optional[float] = None if args.smoothquant == "none" else args.smoothquant
+    search: List[dict] = []
+    if args.smoothquant == "search":
+        progress.step(f"SmoothQuant alpha search over {SEARCH_ALPHAS} ({args.calibration_tokens} calibration tokens)")
+        candidates = {}
+        for a in SEARCH_ALPHAS:
+            smoothed = copy.deepcopy(model)
+            smooth_quant(smoothed, calibration, alpha=a)
+            candidates[f"alpha {a}"] = quantized(smoothed)
+        scores = _held_out({"float": model, **candidates}, held_out)
+        search = [{"alpha": a, "kl": scores[f"alpha {a}"]["kl"], "ppl": scores[f"alpha {a}"]["ppl"]}
+                  for a in SEARCH_ALPHAS]
+        alpha = min(search, key=lambda row: row["kl"])["alpha"]
+        del candidates
+    else:
+        progress.step("SmoothQuant" if alpha is not None else "SmoothQuant skipped (--smoothquant none)")
+    reference = copy.deepcopy(model)
+    if alpha is not None:
+        smooth_quant(model, calibration, alpha=alpha)
+    progress.step(f"quantizing ({args.scheme})")
+    model = quantized(model)
+    progress.step("held-out perplexity")
+    scores = _held_out({"float": reference, "quantized": model}, held_out)
+    progress.step(f"writing {args.out_dir}")
+    out = Path(args.out_dir)
+    save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
+    report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,
+              "smoothquant_alpha": alpha, "search": search, "calibration": str(args.calibration),
+              "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),
+              "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
+              "kl": scores["quantized"]["kl"], "top1": scores["quantized"]["top1_agreement"],
+              "kept_float": _float_layers(model), "seconds": time.perf_counter() - t0}
+    (out / "README.md").write_text(readme(report))
+    (out / "README.md").chmod(0o644)
+    progress.step("done")
+    print(summary(report))
+    return 0
+
+
+def _float_layers(model: torch.nn.Module) -> List[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def summary(r: dict) -> str:
+    alpha = "none" if r["smoothquant_alpha"] is None else f"{r['smoothquant_alpha']}"
+    change = 100.0 * (r["quantized_ppl"] / r["float_ppl"] - 1.0)
+    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}, SmoothQuant alpha {alpha}; held-out perplexity "
+            f"{r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL {r['kl']:.4f}, "
+            f"top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; {r['seconds']:.0f} s")
+
+
+def readme(r: dict) -> str:
+    lines = [f"# {Path(r['model_dir']).name}, {r['scheme'].upper()} (w8a8-cpu)", "",
+             f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: int8 dynamic per-token "
+             f"activations; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
+                                         f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric") +
+             ". compressed-tensors format: vLLM serves this directory; `w8a8_cpu.llm.load_quantized` reads it.", "",
+             f"- SmoothQuant alpha: {'none' if r['smoothquant_alpha'] is None else r['smoothquant_alpha']}"
+             f"{' (searched)' if r['search'] else ''}",
+             f"- calibration: {r['calibration_tokens']} tokens of `{r['calibration']}`",
+             f"- held-out: the next {r['held_out_tokens']} tokens of it", "",
+             "| model | held-out ppl | vs float | KL | top-1 |", "|---|---|---|---|---|",
+             f"| float | {r['float_ppl']:.3f} | | | |",
+             f"| quantized | {r['quantized_ppl']:.3f} | {100 * (r['quantized_ppl'] / r['float_ppl'] - 1):+.2f}% | "
+             f"{r['kl']:.4f} | {100 * r['top1']:.1f}% |", ""]
+    if r["search"]:
+        lines += ["Alpha search (held-out KL to the float model):", "", "| alpha | KL | ppl |", "|---|---|---|"]
+        lines += [f"| {row['alpha']} | {row['kl']:.4f} | {row['ppl']:.3f} |" for row in r["search"]] + [""]
+    lines += [f"Layers kept float: {', '.join(r['kept_float']) or 'none'}.", ""]
+    return "\n".join(lines)

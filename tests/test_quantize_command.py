@@ -1,0 +1,95 @@
+"""python -m w8a8_cpu quantize MODEL_DIR OUT_DIR: the checkpoint a user makes from a transformers directory, loaded
+back; the alpha search; files readable by other users; bad options refused before any work."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import python_command
+from test_llm import _require_model
+
+pytestmark = pytest.mark.slow_under_emulation
+
+
+def quantize(*argv, timeout=900):
+    return subprocess.run([*python_command(), "-m", "w8a8_cpu", "quantize", *map(str, argv), "--no-progress"],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+
+def tiny_checkpoint(directory: Path) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer (from the test cache), saved as a transformers checkpoint."""
+    import transformers
+
+    from w8a8_cpu.llm import smollm2
+
+    source = smollm2.ensure_cache()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    transformers.AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return directory
+
+
+def test_quantize_command_searches_alpha_and_writes_a_servable_directory(tmp_path):
+    _require_model()
+    from w8a8_cpu.llm import load_quantized
+    from w8a8_cpu.nn import W4A8Linear, W8A8Linear
+
+    source = tiny_checkpoint(tmp_path / "tiny")
+    r = quantize(source, tmp_path / "out", "--calibration-tokens", "256", "--held-out-tokens", "128")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "out"
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+            "README.md"} <= names
+    assert all((p.stat().st_mode & 0o777) == 0o644 for p in out.iterdir())
+    readme = (out / "README.md").read_text()
+    assert "| alpha | KL | ppl |" in readme and "held-out ppl" in readme and "Layers kept float: lm_head" in readme
+    assert "SmoothQuant alpha" in r.stdout and "held-out perplexity" in r.stdout
+    model = load_quantized(out)
+    assert isinstance(model.model.layers[0].mlp.down_proj, W8A8Linear)
+    r = quantize(source, tmp_path / "w4", "--scheme", "w4a8", "--smoothquant", "none", "--calibration-tokens", "64",
+                 "--held-out-tokens", "64", "--max-shard-size", "2MB")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "w4" / "model.safetensors.index.json").is_file()
+    assert isinstance(load_quantized(tmp_path / "w4").model.layers[1].self_attn.q_proj, W4A8Linear)
+
+
+def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):
+    """The cached SmolLM2 quantized by the command (alpha 0.6, as the main job), loaded back: perplexity on the main
+    job's evaluation text within its +1.5% gate."""
+    _require_model()
+    from w8a8_cpu.cli.llm import EVAL_TEXT, PPL_GATE_PERCENT, _tokens
+    from w8a8_cpu.llm import evaluate, load_quantized, smollm2
+
+    r = quantize(smollm2.ensure_cache(), tmp_path / "out", "--smoothquant", "0.6")
+    assert r.returncode == 0, r.stdout + r.stderr
+    fp32, tokenizer = smollm2.load()
+    quantized = load_quantized(tmp_path / "out")
+    ids = _tokens(tokenizer, EVAL_TEXT, 1024, "evaluation")
+    scores = evaluate.compare_on_text({"fp32": fp32, "w8a8": quantized}, "fp32", ids, 512, 256)
+    assert scores["w8a8"]["ppl"] <= scores["fp32"]["ppl"] * (1 + PPL_GATE_PERCENT / 100)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]["ignore"] == ["lm_head"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{src}", "{src}"], "OUT_DIR must differ from MODEL_DIR"),
+    (["{tmp}", "{tmp}/out"], "no config.json"),
+    (["{src}", "{tmp}/out", "--smoothquant", "1.5"], "expected an alpha in [0, 1]"),
+    (["{src}", "{tmp}/out", "--max-shard-size", "lots"], "expected a size such as 2GB"),
+    (["{src}", "{tmp}/out", "--group-size", "48"], "--group-size 48"),
+    (["{src}", "/nonexistent-w8a8-dir/out"], "does not exist"),
+    (["{src}", "{tmp}/out", "--calibration", "/nonexistent.txt"], "--calibration /nonexistent.txt: not a file"),
+])
+def test_quantize_command_refuses_bad_options_before_loading(tmp_path, argv, message):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("{}")
+    argv = [a.format(src=tmp_path / "src", tmp=tmp_path) for a in argv]
+    r = quantize(*argv, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

@@ -1,4 +1,5 @@
 """Bad input gets a clear ValueError/RuntimeError naming the argument, never a crash or a wrong result."""
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,19 @@ def test_bad_input_leaves_variant_usable(good):
     with pytest.raises(ValueError):
         fused(good, x=good["x"][:, :10])
     assert torch.isfinite(fused(good)).all()
+
+
+def test_misaligned_float_operands_are_exact(good):
+    """Float operands starting at an address that is not a multiple of their element size (made over raw bytes:
+    frombuffer, a safetensors file with an odd header length) give the aligned operands' result bit for bit (the
+    kernels read elements through typed pointers: misaligned reads are undefined behaviour)."""
+    def misaligned(t):  # numpy views a byte buffer at offset 1 (torch's view() refuses a misaligned one)
+        raw = bytearray(1) + bytearray(t.contiguous().numpy().tobytes())
+        out = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8)[1:].view(t.numpy().dtype)).reshape(t.shape)
+        assert out.data_ptr() % t.element_size() != 0 and torch.equal(out, t)
+        return out
+
+    want = fused(good, bias=torch.ones(N))
+    got = fused(good, x=misaligned(good["x"]), w_scale=misaligned(good["w_scale"]), bias=misaligned(torch.ones(N)))
+    assert torch.equal(got, want)
+    assert torch.equal(mm(good, x_scale=misaligned(good["x_scale"].reshape(-1))), mm(good))

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
@@ -68,6 +69,14 @@ void check_k(int64_t k, const char* arg) {
                     ", the largest K whose int32 accumulation cannot overflow");
 }
 
+// A tensor whose data pointer is a multiple of its element size (a copy when it is not): a tensor made over raw bytes
+// (torch.frombuffer, a safetensors file whose header length is not a multiple of 4, a view at an odd byte offset)
+// can start anywhere, and the kernels read elements through typed pointers.
+at::Tensor aligned(const at::Tensor& t) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return address % static_cast<uintptr_t>(t.element_size()) == 0 ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // Per-row fp32 scales given as [rows] or [rows, 1].
 at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, const char* what) {
   check_cpu(s, arg);
@@ -75,7 +84,7 @@ at::Tensor checked_scales(const at::Tensor& s, int64_t rows, const char* arg, co
   TORCH_CHECK_VALUE((s.dim() == 1 && s.size(0) == rows) || (s.dim() == 2 && s.size(0) == rows && s.size(1) == 1),
                     arg, ": expected shape [", rows, "] or [", rows, ", 1] (one scale per ", what, "), got ",
                     s.sizes());
-  return s.contiguous();
+  return aligned(s.contiguous());
 }
 
 // Weight-side fp32 values (weight scales, bias) must be finite: one NaN there poisons a column of every output row,
@@ -330,7 +339,7 @@ at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
   check_cpu(*bias, "bias");
   float_kind(bias->scalar_type(), "bias");
   TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, "bias: expected shape [", n, "], got ", bias->sizes());
-  return bias->to(at::kFloat).contiguous();
+  return aligned(bias->to(at::kFloat).contiguous());
 }
 
 // A GEMM op's weight operand, checked: its packed view (a raw int8 [N, K] weight is packed into `storage` for this
@@ -423,7 +432,7 @@ at::Tensor activation_rows(const at::Tensor& x) {
   check_k(x.size(-1), "x");
   TORCH_CHECK_VALUE(x.size(-1) == 1 || x.stride(-1) == 1, "x: last dimension must be contiguous (stride 1), got strides ",
                     x.strides(), "; call .contiguous() first");
-  return x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  return aligned(x.dim() == 2 ? x : x.reshape({-1, x.size(-1)}));
 }
 
 std::tuple<at::Tensor, at::Tensor> per_token_quant_int8_op(const at::Tensor& x, const c10::optional<at::Tensor>& amax) {
@@ -455,7 +464,8 @@ at::Tensor scale_accumulators_op(const at::Tensor& acc, const at::Tensor& x_scal
   check_finite_weight_side(ws, "w_scale");
   const at::Tensor b = checked_bias(bias, n);
   auto out = at::empty({m, n}, acc.options().dtype(out_dtype.value_or(at::kFloat)));
-  scale_accumulators(acc.data_ptr<int32_t>(), m, n, acc.stride(0),
+  const at::Tensor acc_rows = aligned(acc);  // (a copy keeps acc's row stride only when it is contiguous)
+  scale_accumulators(acc_rows.data_ptr<int32_t>(), m, n, acc_rows.stride(0),
                      epilogue(xs.data_ptr<float>(), ws, b, out, out_kind), kTorchParallelFor);
   return out;
 }
@@ -579,7 +589,7 @@ at::Tensor checked_expert_scales(const at::Tensor& s, const char* arg) {
   TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", s.scalar_type());
   TORCH_CHECK_VALUE(s.dim() == 2 || (s.dim() == 3 && s.size(2) == 1), arg,
                     ": expected shape [E, N] or [E, N, 1], got ", s.sizes());
-  return s.reshape({s.size(0), s.size(1)}).contiguous();
+  return aligned(s.reshape({s.size(0), s.size(1)}).contiguous());
 }
 
 at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
@@ -620,14 +630,14 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
 
   auto out = at::empty({m, h}, hidden.options());
   if (m == 0) return out;
-  at::Tensor x = hidden, weights = topk_weights.to(at::kFloat).contiguous();
+  at::Tensor x = aligned(hidden), weights = aligned(topk_weights.to(at::kFloat).contiguous());
   if (apply_router_weight_on_input) {
     // The router weight scales the expert's input instead of its output (sglang's convention: topk == 1).
     TORCH_CHECK_VALUE(topk == 1, "apply_router_weight_on_input: requires topk == 1, got topk = ", topk);
     x = hidden.to(at::kFloat) * weights;
     weights = at::ones_like(weights);
   }
-  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor ids = aligned(topk_ids.to(at::kLong).contiguous());
   const MicroKernel& kernel = active_kernel();
   MoeProblem p{m, h, inter2 / 2, experts, topk, x.data_ptr(), float_kind(x.scalar_type(), "hidden"), x.stride(0),
                weights.data_ptr<float>(), ids.data_ptr<int64_t>(), v13.data(), s13.data_ptr<float>(), v2.data(),

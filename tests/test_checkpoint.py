@@ -403,7 +403,8 @@ REFUSED = [
     ("group weights", group_field("weights.strategy", "group"), "weights.strategy"),
     ("group size", group_field("weights.group_size", 128), "weights.group_size"),
     ("block weights", group_field("weights.block_structure", [128, 128]), "weights.block_structure"),
-    ("4-bit weights", group_field("weights.num_bits", 4), "weights.num_bits"),
+    ("2-bit weights", group_field("weights.num_bits", 2), "weights.num_bits"),
+    ("4-bit activations", group_field("input_activations.num_bits", 4), "input_activations.num_bits"),
     ("fp8 weights", group_field("weights.type", "float"), "weights.type"),
     ("fp8 activations", group_field("input_activations.type", "float"), "input_activations.type"),
     ("dynamic weights", group_field("weights.dynamic", True), "weights.dynamic"),
@@ -821,10 +822,18 @@ def test_w4a8_checkpoint_round_trip_is_bit_identical(arch, fuse, tmp_path):
     assert torch.equal(logits(loaded), logits(model))
 
 
-def test_w4a8_with_float_minimums_is_refused_on_save(tmp_path):
+def test_w4a8_zero_points_round_trip_and_min_max_is_refused(tmp_path):
+    """Asymmetric W4A8 with integer zero points is written pack-quantized with weight_zero_point (packed along the
+    channels) and reads back bit-identical; min-max minimums (not integer zero points) are refused, naming why."""
     model = quantize_model(float_model("qwen2"), skip=["lm_head"], scheme="w4a8", symmetric=False)
-    with pytest.raises(ValueError, match="per-group minimums .* cannot hold exactly; quantize with symmetric=True"):
-        save_compressed(model, tmp_path)
+    save_compressed(model, tmp_path / "zp")
+    qc = json.loads((tmp_path / "zp" / "config.json").read_text())["quantization_config"]
+    assert qc["config_groups"]["group_1"]["weights"]["symmetric"] is False
+    assert stored(tmp_path / "zp")["model.layers.0.mlp.up_proj.weight_zero_point"].shape == (96 // 8, 2)
+    assert torch.equal(logits(load_quantized(tmp_path / "zp")), logits(model))
+    model = quantize_model(float_model("qwen2"), skip=["lm_head"], scheme="w4a8", symmetric=False, min_max=True)
+    with pytest.raises(ValueError, match="not integer zero points .* quantize without min_max to save it"):
+        save_compressed(model, tmp_path / "mm")
 
 
 @pytest.mark.parametrize("symmetric", [True, False])

@@ -274,7 +274,7 @@ at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, con
     TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == n && t.size(1) == groups, arg, ": expected shape [", n, ", ",
                       groups, "] (one value per output channel and group of ", group_size ? group_size : k,
                       " k), got ", t.sizes());
-    const at::Tensor c = t.contiguous();
+    const at::Tensor c = aligned(t.contiguous());
     check_finite_weight_side(c, arg);
     return c;
   };
@@ -282,7 +282,7 @@ at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, con
   const at::Tensor mn = minimum ? checked_values(*minimum, "minimum") : at::Tensor();
   const WeightFormat format{mn.defined() ? WeightScheme::int4_min : WeightScheme::int4, group_log2};
   const MicroKernel& kernel = active_kernel();
-  const at::Tensor qc = q.contiguous();
+  const at::Tensor qc = q.contiguous();  // (int8: any address is aligned)
   const int64_t nbytes = as_value_errors(
       [&] { return packed_weight_nbytes(n, k, kernel.geometry().layout, "q", format); });
   auto blob = at::empty({nbytes}, q.options().dtype(at::kByte));

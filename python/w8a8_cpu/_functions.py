@@ -273,16 +273,19 @@ def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return w_q, w_scale.reshape(-1)
 
 
-def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True
+def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True, min_max: bool = False
                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Round-to-nearest int4 quantization of a float [N, K] weight per group of group_size consecutive k (0: one group
     per channel) -> (q int8 [N, K] in [-8, 7], scale fp32 [N, groups], min fp32 [N, groups] or None), such that
     w ~ scale * q + min per group (the form pack_weight_int4's ops compute; K is padded to whole groups with zeros).
 
     symmetric: scale = absmax / 7.5, q = clamp(round(w / scale), -8, 7) (compressed-tensors' symmetric int4 rule),
-    min None. Otherwise (asymmetric, llama.cpp Q4_1's min-max rule): scale = (max - min) / 15 over the group,
-    u = clamp(round((w - min) / scale), 0, 15), so w ~ scale * u + min; stored as q = u - 8 with minimum
-    min + 8 * scale. (An integer zero point z, as GPTQ / AWQ checkpoints have, is the minimum -scale * (z - 8).)"""
+    min None. Otherwise asymmetric, with an integer zero point (GPTQ / AWQ / compressed-tensors): the group's range
+    widened to include 0, scale = (max - min) / 15, z = clamp(round(-min / scale), 0, 15), u = clamp(round(w / scale)
+    + z, 0, 15), w ~ scale * (u - z): 0 stays exactly 0; stored as q = u - 8 with minimum scale * (8 - z). With
+    min_max (llama.cpp Q4_1's rule): scale = (max - min) / 15 over the group as it is, u = clamp(round((w - min) /
+    scale), 0, 15), minimum min + 8 * scale: a finer grid when a group's values sit away from 0, but 0 is not on it
+    (a row with one outlier turns its small weights into a bias: MiniLM per channel loses its embeddings)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
@@ -300,10 +303,16 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
         scale = (grouped.abs().amax(dim=-1) / 7.5).clamp_min(1e-10)
         q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-8, 7)
         minimum = None
-    else:
+    elif min_max:
         low = grouped.amin(dim=-1)
         scale = ((grouped.amax(dim=-1) - low) / 15).clamp_min(1e-10)
         q = torch.round((grouped - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15) - 8
         minimum = low + 8 * scale
+    else:
+        low, high = grouped.amin(dim=-1).clamp(max=0.0), grouped.amax(dim=-1).clamp(min=0.0)
+        scale = ((high - low) / 15).clamp_min(1e-10)
+        zero = torch.round(-low / scale).clamp(0, 15)
+        q = (torch.round(grouped / scale.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15) - 8
+        minimum = scale * (8 - zero)
     q = q.view(n, k_padded)[:, :k].to(torch.int8).contiguous()
     return q, scale.contiguous(), None if minimum is None else minimum.contiguous()

@@ -43,10 +43,10 @@ TIMING_ROUNDS = 3  # decode and prefill: median of this many interleaved rounds
 FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "W8A8 (SQ, fp32 lm_head)",
                                    "torch.ao dynamic int8")
 # W4A8 rows (informational, no gate): int4 linears in groups of 32 with the int8 output layer and fusion of the job's
-# model. Asymmetric round-to-nearest (Q4_1's min-max rule) lands on the grid SmolLM2's float weights were
-# dequantized from (a Q4_1 file), so it mostly measures the activations' error; symmetric int4 after SmoothQuant is
-# the honest int4 rounding error on this model.
-W4A8_ASYM, W4A8_SYM_SQ = "W4A8 g32 asym (RTN)", "W4A8 g32 sym (SQ)"
+# model. Q4_1's min-max rule lands on the grid SmolLM2's float weights were dequantized from (a Q4_1 file), so it
+# mostly measures the activations' error; symmetric int4 after SmoothQuant is the honest int4 rounding error on
+# this model.
+W4A8_ASYM, W4A8_SYM_SQ = "W4A8 g32 min-max (RTN)", "W4A8 g32 sym (SQ)"
 W4A8_GROUP = 32
 
 
@@ -89,10 +89,11 @@ def lean_timing(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_toke
 
 
 def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool, scheme: str = "w8a8",
-                     symmetric: bool = True) -> torch.nn.Module:
-    """W8A8 (or W4A8: int4 in groups of W4A8_GROUP) linears; with int8_output_layer, the lm_head too, in W8A8 sharing
-    one int8 table with the token embedding, and the q/k/v and gate/up projections fused (one GEMM each)."""
-    options = dict(scheme=scheme, group_size=W4A8_GROUP, symmetric=symmetric)
+                     min_max: bool = False) -> torch.nn.Module:
+    """W8A8 (or W4A8: int4 in groups of W4A8_GROUP, symmetric or min-max) linears; with int8_output_layer, the
+    lm_head too, in W8A8 sharing one int8 table with the token embedding, and the q/k/v and gate/up projections fused
+    (one GEMM each)."""
+    options = dict(scheme=scheme, group_size=W4A8_GROUP, symmetric=not min_max, min_max=min_max)
     if int8_output_layer:
         return w8a8_cpu.nn.quantize_model(model, quantize_embedding=True, fuse=True, **options)
     return w8a8_cpu.nn.quantize_model(model, skip=KEEP_FLOAT, **options)
@@ -128,9 +129,9 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         models[SQ_FP32_HEAD] = quantize_for_job(copy.deepcopy(smoothed), False)
     models[SQ] = quantize_for_job(smoothed, int8_output_layer)
     if int8_output_layer:
-        progress.step(f"W4A8 (int4 in groups of {W4A8_GROUP}): asymmetric RTN, symmetric after SmoothQuant")
-        models[W4A8_ASYM] = quantize_for_job(copy.deepcopy(fp32), True, scheme="w4a8", symmetric=False)
-        models[W4A8_SYM_SQ] = quantize_for_job(smoothed_for_int4, True, scheme="w4a8", symmetric=True)
+        progress.step(f"W4A8 (int4 in groups of {W4A8_GROUP}): min-max RTN, symmetric after SmoothQuant")
+        models[W4A8_ASYM] = quantize_for_job(copy.deepcopy(fp32), True, scheme="w4a8", min_max=True)
+        models[W4A8_SYM_SQ] = quantize_for_job(smoothed_for_int4, True, scheme="w4a8")
     if prepare_w8a8:
         prepare_w8a8(SQ, models[SQ])
     progress.step("torch.ao dynamic int8")

@@ -125,23 +125,24 @@ _INT8_TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "str
                            "dynamic": True}
 
 
-def _int4_weights(group_size: int) -> dict:
-    """compressed-tensors' QuantizationArgs of symmetric int4 weights per group (0: per channel)."""
-    return {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group" if group_size else "channel",
+def _int4_weights(group_size: int, symmetric: bool) -> dict:
+    """compressed-tensors' QuantizationArgs of int4 weights per group (0: per channel), symmetric or with zero
+    points."""
+    return {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group" if group_size else "channel",
             "group_size": group_size or None, "dynamic": False}
 
 
-def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, int], has_int8: bool) -> dict:
-    """int8 layers: one group targeting Linear (int-quantized); int4 layers ({name: group size}): one pack-quantized
-    group per group size naming them (exact names take precedence over the class target)."""
+def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, Tuple[int, bool]], has_int8: bool) -> dict:
+    """int8 layers: one group targeting Linear (int-quantized); int4 layers ({name: (group size, symmetric)}): one
+    pack-quantized group per kind naming them (exact names take precedence over the class target)."""
     groups = {}
     if has_int8 or not int4_layers:
         groups["group_0"] = {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
                              "input_activations": dict(_INT8_TOKEN_ACTIVATIONS), "output_activations": None,
                              "format": "int-quantized"}
-    for i, group_size in enumerate(sorted(set(int4_layers.values())), start=1):
-        groups[f"group_{i}"] = {"targets": sorted(n for n, g in int4_layers.items() if g == group_size),
-                                "weights": _int4_weights(group_size), "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
+    for i, kind in enumerate(sorted(set(int4_layers.values())), start=1):
+        groups[f"group_{i}"] = {"targets": sorted(n for n, k in int4_layers.items() if k == kind),
+                                "weights": _int4_weights(*kind), "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
                                 "output_activations": None, "format": "pack-quantized"}
     formats = {group["format"] for group in groups.values()}
     return {
@@ -194,7 +195,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
     """(tensors by checkpoint name, checkpoint names of the Linear-like layers kept float)."""
     tensors: Dict[str, torch.Tensor] = {}
     float_layers: List[str] = []
-    int4_layers: Dict[str, int] = {}  # checkpoint name -> group size (0: per channel)
+    int4_layers: Dict[str, Tuple[int, bool]] = {}  # checkpoint name -> (group size (0: per channel), symmetric)
     written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
 
     def linear(name: str, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -205,21 +206,26 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
             tensors[f"{prefix}.bias"] = bias.clone()
 
     def layer(name: str, module: W8A8Linear) -> None:
-        """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones (symmetric groups only)."""
+        """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones (symmetric, or minimums that
+        are integer zero points: -scale * z, z in [-8, 7])."""
         if not isinstance(module, W4A8Linear):
             return linear(name, module.int8_weight(), module.w_scale, module.bias)
         prefix = naming.checkpoint_name(name)
         q, scale, minimum, group = module.int4_weight()
-        if minimum is not None or not torch.equal(module.w_scale, torch.ones_like(module.w_scale)):
-            raise ValueError(f"model: {name} is a W4A8Linear with per-group minimums (or channel scales), which "
-                             f"compressed-tensors' int4 format (integer zero points) cannot hold exactly; quantize "
-                             f"with symmetric=True to save it")
+        zero = None if minimum is None else torch.round(-minimum / scale).clamp(-8, 7)
+        if (zero is not None and not torch.equal(-scale * zero, minimum)) or \
+                not torch.equal(module.w_scale, torch.ones_like(module.w_scale)):
+            raise ValueError(f"model: {name} is a W4A8Linear whose per-group minimums are not integer zero points "
+                             f"(min_max rounding) or that has channel scales, which compressed-tensors' int4 format "
+                             f"cannot hold exactly; quantize without min_max to save it")
+        if zero is not None:  # packed 8 per int32 along the channels, as compressed-tensors packs zero points
+            tensors[f"{prefix}.weight_zero_point"] = _pack_int4_rows(zero.to(torch.int8).T.contiguous()).T.contiguous()
         tensors[f"{prefix}.weight_packed"] = _pack_int4_rows(q)
         tensors[f"{prefix}.weight_scale"] = scale.clone()
         tensors[f"{prefix}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
         if module.bias is not None:
             tensors[f"{prefix}.bias"] = module.bias.clone()
-        int4_layers[prefix] = group
+        int4_layers[prefix] = (group, zero is None)
 
     # an int8 embedding is written as floats (what every reader takes for an embedding), and an lm_head reading the
     # same int8 table as the tied float lm_head that it stands for: not written, float in the config

@@ -129,11 +129,12 @@ class W4A8Linear(W8A8Linear):
         self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True) -> "W4A8Linear":
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
+                    min_max: bool = False) -> "W4A8Linear":
         """Round-to-nearest int4 of the float weight per group (quantize_weight_int4)."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
-        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric)
+        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
         return cls(q, scale, minimum, group_size, linear.bias)
 
     def int8_weight(self) -> torch.Tensor:
@@ -507,12 +508,13 @@ SCHEMES = ("w8a8", "w4a8")
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
                    fuse: bool = False, scheme: str = "w8a8", group_size: int = 32,
-                   symmetric: bool = True) -> torch.nn.Module:
+                   symmetric: bool = True, min_max: bool = False) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
     scheme="w4a8": the Linear layers become W4A8Linear instead (round-to-nearest int4 per group of group_size k,
-    0: per channel; symmetric, or asymmetric with a minimum per group: quantize_weight_int4), except an output layer
+    0: per channel; symmetric, or asymmetric with an integer zero point, or min_max: quantize_weight_int4), except
+    an output layer
     that shares its table with the int8 embedding (quantize_embedding=True), which stays W8A8. MoE experts stay W8A8
     (fused_experts takes int8 experts).
 
@@ -562,7 +564,7 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
         if not isinstance(module, torch.nn.Linear):
             replacement = W8A8Experts.from_experts(module)
         elif scheme == "w4a8" and not tied_to_embedding:
-            replacement = W4A8Linear.from_linear(module, group_size, symmetric)
+            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
         else:
             replacement = W8A8Linear.from_linear(module)
         if tied_to_embedding:

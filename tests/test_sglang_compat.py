@@ -117,12 +117,13 @@ def test_int8_gemm_matches_sglang_reference(m, has_bias):
     tol = dict(atol=1e-2, rtol=1e-2)
 
     a_q2, a_s2 = ops.per_token_quant_int8_cpu(a)
-    assert a_q2.dtype == torch.uint8 and a_s2.dtype == torch.float32 and a_s2.shape == (m, 1)
+    assert a_q2.dtype == torch.uint8 and a_s2.dtype == torch.float32 and a_s2.shape == (m,)  # upstream's [M]
     unshifted = (a_q2.to(torch.int16) - 128).to(torch.int8)  # +128 shifted int8 values
     assert torch.equal(unshifted, reference.per_token_quant_int8(a)[0])
     # torch evaluates 127 / amax as 127 * (1 / amax): a product landing next to .5 may round the other way
     assert (unshifted.to(torch.int16) - a_q).abs().max() <= 1
     packed = ops.convert_weight_packed(b_q)
+    assert packed.dtype == torch.uint8 and packed.shape[0] == n  # upstream's fakes read N from mat2.size(0)
     for w, is_vnni in ((b_q, False), (b_q, True), (packed, True)):  # raw [N, K] also with is_vnni=True (Arm path)
         out = ops.int8_scaled_mm_cpu(a_q2, w, a_s2, b_s, bias, torch.bfloat16, is_vnni)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n)
@@ -280,3 +281,42 @@ def test_fake_kernels_validate_like_the_ops():
         for mode in (contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True)):
             with mode, pytest.raises(ValueError, match=fragment):
                 call()
+
+
+def test_a_layer_through_sglangs_own_fake_kernels_under_torch_compile():
+    """sglang registers fake kernels of its own for these ops; they read N from mat2.size(0) and M from mat1. Their
+    shape rules (copied here, as sglang is not installed) on our implementations, a W8A8 layer under torch.compile
+    (fullgraph): the traced shapes are right and the compiled result equals eager bit for bit."""
+    library = torch.library.Library("sgl_fake_check", "DEF")
+    for name in ("convert_weight_packed", "per_token_quant_int8_cpu", "int8_scaled_mm_cpu", "int8_scaled_mm_with_quant"):
+        library.define(sglang.SCHEMAS[name])
+        library.impl(name, getattr(sglang, name), "CPU")
+
+    # sglang/srt/layers/... register_fake rules: output [M, N], N = mat2.size(0); quantized activations [M, K] uint8
+    # with scales [M]; the packed weight keeps the weight's shape
+    @torch.library.register_fake("sgl_fake_check::int8_scaled_mm_cpu", lib=library)
+    def _(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
+        return mat1.new_empty([mat1.size(0), mat2.size(0)], dtype=out_dtype)
+
+    @torch.library.register_fake("sgl_fake_check::int8_scaled_mm_with_quant", lib=library)
+    def _(mat1, mat2, scales2, bias, out_dtype, is_vnni):
+        return mat1.new_empty([mat1.size(0), mat2.size(0)], dtype=out_dtype)
+
+    @torch.library.register_fake("sgl_fake_check::per_token_quant_int8_cpu", lib=library)
+    def _(A):
+        return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty([A.size(0)], dtype=torch.float32)
+
+    check = torch.ops.sgl_fake_check
+    w_q, w_s = rand_int8(48, 96), torch.rand(48) * 1e-2
+    packed = check.convert_weight_packed(w_q)
+    assert packed.shape[0] == 48
+
+    def layer(x):
+        y = check.int8_scaled_mm_with_quant(x, packed, w_s, None, torch.float32, True)
+        x_q, x_s = check.per_token_quant_int8_cpu(x)
+        return y + check.int8_scaled_mm_cpu(x_q, packed, x_s, w_s, None, torch.float32, True)
+
+    x = torch.randn(5, 96)
+    eager = layer(x)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    assert eager.shape == (5, 48) and torch.equal(compiled, eager)

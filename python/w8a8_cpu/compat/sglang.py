@@ -6,15 +6,18 @@ AMX x86 or i8mm Arm. ``register()`` defines them under the ``sgl_kernel`` namesp
 op by op, only where no library (a real sgl_kernel included) has already defined that op: it never overwrites.
 
 Conventions kept from upstream (x86):
-- per_token_quant_int8_cpu returns uint8 activations shifted by +128 and fp32 [M, 1] scales; int8_scaled_mm_cpu
+- per_token_quant_int8_cpu returns uint8 activations shifted by +128 and fp32 [M] scales; int8_scaled_mm_cpu
   takes them (uint8 is turned back into int8 exactly, x ^ 0x80; int8 activations are accepted as well).
+- convert_weight_packed returns a tensor whose shape[0] is N (like upstream's [N, K + 4]), so sglang's own fake
+  kernels, which read N from mat2.size(0), compute the right output shapes under torch.compile.
 - is_vnni=True: the weight came from convert_weight_packed, or (sglang's Arm path) is a raw int8 [N, K] weight;
   is_vnni=False: raw int8 weight only.
 - fused_experts_cpu supports moe_comp_method 1 (INT8_W8A8) with SiLU-and-mul only; inplace=True also writes the
   result into hidden_states.
 - bias: any floating dtype (used in fp32); an integer bias is rejected.
-Differences: convert_weight_packed takes int8 weights only and returns w8a8_cpu's packed layout (1-D uint8 blob
-for [N, K]; [E, bytes] uint8 for [E, N, K] expert weights), not a tensor of the input's shape. fused_experts_cpu
+Differences: convert_weight_packed takes int8 weights only and returns w8a8_cpu's packed layout: for [N, K] the
+blob zero-padded to N whole rows and viewed as uint8 [N, ceil(bytes / N)] (the ops read the blob the header
+describes, its first bytes); for [E, N, K] expert weights one blob per expert, [E, bytes]. fused_experts_cpu
 declares hidden_states mutable (``Tensor(a0!)``, as vLLM's copy of the kernel declares it); upstream's schema
 does not, and torch.compile then reorders or drops the inplace=True write.
 The fake kernels are the implementations themselves (their w8a8_cpu ops have fake kernels), so tracing validates
@@ -29,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 import w8a8_cpu
+from w8a8_cpu._packed_weight import HEADER_BYTES, header_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -83,26 +87,44 @@ def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.int8:
         raise ValueError(f"weight: w8a8_cpu's sgl_kernel shim packs int8 weights only (W8A8), got {weight.dtype}")
     if weight.dim() == 2:
-        return _ops.pack_weight(weight.contiguous())
+        blob = _ops.pack_weight(weight.contiguous())
+        rows = weight.shape[0]
+        padded = blob.new_zeros(rows * -(-blob.numel() // rows))
+        padded[:blob.numel()] = blob
+        return padded.view(rows, -1)
     if weight.dim() == 3 and weight.shape[0] > 0:
         return torch.stack([_ops.pack_weight(w) for w in weight.contiguous()])
     raise ValueError(f"weight: expected int8 [N, K] or [E, N, K], got shape {tuple(weight.shape)}")
 
 
+def _blob(mat2: torch.Tensor) -> torch.Tensor:
+    """The packed blob inside convert_weight_packed's [N, bytes / N] view: its first bytes, as many as its header
+    describes (a bad header is left to the op, which rejects it naming mat2); under tracing, the whole buffer (the
+    ops' fake kernels take N from the scales)."""
+    if not _is_packed(mat2) or mat2.dim() != 2:
+        return mat2
+    flat = mat2.reshape(-1)
+    if isinstance(flat, torch._subclasses.FakeTensor) or flat.is_meta or flat.numel() < HEADER_BYTES:
+        return flat
+    nr, kr, n, k, n_padded, k_padded = header_sizes(flat)
+    declared = HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+    return flat[:declared] if HEADER_BYTES <= declared <= flat.numel() else flat
+
+
 def per_token_quant_int8_cpu(A: torch.Tensor):
     a_q, a_scale = _ops.per_token_quant_int8(A)
-    return torch.bitwise_xor(a_q.view(torch.uint8), 0x80), a_scale
+    return torch.bitwise_xor(a_q.view(torch.uint8), 0x80), a_scale.reshape(-1)
 
 
 def int8_scaled_mm_cpu(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
     _check_weight(mat2, is_vnni, "mat2")
-    return _ops.int8_scaled_mm(_activations_int8(mat1), mat2, scales1.reshape(-1, 1), scales2.reshape(-1),
+    return _ops.int8_scaled_mm(_activations_int8(mat1), _blob(mat2), scales1.reshape(-1, 1), scales2.reshape(-1),
                                _float_bias(bias), out_dtype)
 
 
 def int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype, is_vnni):
     _check_weight(mat2, is_vnni, "mat2")
-    return _ops.int8_scaled_mm_with_quant(mat1, mat2, scales2.reshape(-1), _float_bias(bias), out_dtype)
+    return _ops.int8_scaled_mm_with_quant(mat1, _blob(mat2), scales2.reshape(-1), _float_bias(bias), out_dtype)
 
 
 def fused_experts_cpu(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,

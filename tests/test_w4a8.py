@@ -197,3 +197,22 @@ def test_w4a8_linear_follows_the_float_layer(gen):
         torch.testing.assert_close(layer(x).double(), expected, rtol=0.05, atol=0.05)  # int8 activations
         with pytest.raises(ValueError, match="use int4_weight"):
             layer.int8_weight()
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"), reason="torch.library.opcheck needs torch >= 2.4")
+def test_int4_ops_trace_and_layers_reload():
+    """The fake kernels of pack_weight_int4 and of the linear op on an int4 blob agree with the ops (opcheck); a
+    W4A8Linear runs under torch.compile (fullgraph) bit for bit as eager, and reloads from its state_dict."""
+    q, scale, minimum = w8a8_cpu.quantize_weight_int4(torch.randn(40, 96), 32, False)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.w8a8_cpu.pack_weight_int4.default, (q, scale, minimum, 32), test_utils=checks)
+    blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, 32)
+    x = torch.randn(3, 96)
+    torch.library.opcheck(torch.ops.w8a8_cpu.int8_scaled_mm_with_quant.default,
+                          (x, blob, torch.ones(40), None, None, None), test_utils=checks)
+    layer = W4A8Linear.from_linear(torch.nn.Linear(96, 40), 32, symmetric=False)
+    compiled = torch.compile(lambda t: layer(t) * 2, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x) * 2)
+    other = W4A8Linear.from_linear(torch.nn.Linear(96, 40), 32, symmetric=False)
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other(x), layer(x))

@@ -283,6 +283,7 @@ def test_fake_kernels_validate_like_the_ops():
                 call()
 
 
+@pytest.mark.slow_under_emulation  # AOT tracing under qemu takes minutes; nothing in it depends on the arch
 def test_a_layer_through_sglangs_own_fake_kernels_under_torch_compile():
     """sglang registers fake kernels of its own for these ops; they read N from mat2.size(0) and M from mat1. Their
     shape rules (copied here, as sglang is not installed) on our implementations, a W8A8 layer under torch.compile

@@ -216,3 +216,19 @@ def test_int4_ops_trace_and_layers_reload():
     other = W4A8Linear.from_linear(torch.nn.Linear(96, 40), 32, symmetric=False)
     other.load_state_dict(layer.state_dict())
     assert torch.equal(other(x), layer(x))
+
+
+@pytest.mark.skipif(not w8a8_cpu._autograd.AVAILABLE, reason="the op's autograd kernel needs torch >= 2.4")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_straight_through_gradient_uses_the_dequantized_weight(gen, symmetric):
+    """grad_x of the linear op on an int4 blob is grad_out @ (q * group scale (+ minimum)) * w_scale, the weight the
+    blob stands for (not q * w_scale)."""
+    _, q, scale, minimum = int4_case(gen, 24, 96, 32, symmetric)
+    blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, 32)
+    w_scale = torch.rand(24, generator=gen) + 0.5
+    x = torch.randn(3, 96, generator=gen, requires_grad=True)
+    grad_out = torch.randn(3, 24, generator=gen)
+    w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale).backward(grad_out)
+    weight = dequantized(q, scale, minimum, 32) * w_scale.double()[:, None]
+    torch.testing.assert_close(x.grad.double(), grad_out.double() @ weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w8a8_cpu.dequantized_weight(blob, w_scale).double(), weight, rtol=1e-6, atol=1e-6)

@@ -7,9 +7,9 @@ Matmul: out = float32(x_q @ w.T as exact int32) * (x_scale * w_scale) + bias, ca
 W4A8 (int4 weights in groups along K): each group's int32 products exact, the groups combined in fp32 in one fixed
 order (t += float(acc_g) * scale_g, t += float(sum_g x_q) * min_g), out = t * (x_scale * w_scale) + bias.
 """
-from ._functions import (fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm, int8_scaled_mm,
-                         int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, pack_weight_int4, packed_rows,
-                         per_token_quant_int8, quantize_weight, quantize_weight_int4, scale_accumulators,
+from ._functions import (dequantized_weight, fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm,
+                         int8_scaled_mm, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, pack_weight_int4,
+                         packed_rows, per_token_quant_int8, quantize_weight, quantize_weight_int4, scale_accumulators,
                          unpack_weight, use_variant)
 from . import _autograd, _fake, nn
 
@@ -30,6 +30,7 @@ __all__ = [
     "pack_weight",
     "pack_weight_int4",
     "int4_weight_values",
+    "dequantized_weight",
     "unpack_weight",
     "packed_rows",
     "quantize_weight",

@@ -14,14 +14,16 @@ from typing import Tuple
 
 import torch
 
-from ._functions import unpack_weight
+from ._functions import dequantized_weight
 from ._loader import ops as _ops
 
 
 def _dequantize(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, K] w_int8 * w_scale of a raw int8 [N, K] weight or a packed blob: the float weight the
-    straight-through gradients differentiate."""
-    return (w if w.dtype == torch.int8 else unpack_weight(w)).float() * w_scale.float().reshape(-1, 1)
+    """fp32 [N, K] float weight of a raw int8 [N, K] weight or a packed blob (int8, or int4 with its group scales),
+    times w_scale: the weight the straight-through gradients differentiate."""
+    if w.dtype == torch.int8:
+        return w.float() * w_scale.float().reshape(-1, 1)
+    return dequantized_weight(w, w_scale)
 
 
 def _reject_frozen_inputs(ctx, op: str, differentiable: Tuple[str, ...], why: str) -> None:

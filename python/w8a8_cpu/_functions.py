@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ._loader import ops
-from ._packed_weight import HEADER_BYTES, header_format, header_sizes
+from ._packed_weight import HEADER_BYTES, header_format, header_sizes, int4_panels
 
 
 def info() -> dict:
@@ -99,8 +99,8 @@ def int8_scaled_mm_with_quant(
     [N] then multiplies each output channel on top (ones for a plain W4A8 layer). Each group's int32 products are
     exact; the groups combine in fp32 in one fixed order shared by every variant (docs/ARCHITECTURE.md).
 
-    Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (w_int8 * w_scale[:, None]) in
-    fp32, cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
+    Differentiable w.r.t. x (torch >= 2.4), straight-through: grad_x = grad_out @ (the dequantized weight, e.g.
+    w_int8 * w_scale[:, None]) in fp32 (dequantized_weight), cast to x.dtype, as if the activations were not rounded to int8. w, w_scale and bias are frozen: one
     that requires grad makes backward raise ValueError naming it."""
     _require_tensors(x=x, w=w, w_scale=w_scale)
     return ops.int8_scaled_mm_with_quant(x, w, w_scale, bias, out_dtype, amax)
@@ -113,8 +113,8 @@ def int8_gated_mm_with_quant(
     bias: Optional[torch.Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """A SwiGLU MLP's gate and up projections as one op (int4 weights too, as in int8_scaled_mm_with_quant): w holds 2I output channels, the gate's rows then the up's
-    (int8 [2I, K] or packed), w_scale fp32 [2I], bias [2I] or None. x [..., K] is quantized per token once, one GEMM
+    """A SwiGLU MLP's gate and up projections as one op: w holds 2I output channels, the gate's rows then the up's
+    (int8 [2I, K], or packed: int8, or int4 as in int8_scaled_mm_with_quant), w_scale fp32 [2I], bias [2I] or None. x [..., K] is quantized per token once, one GEMM
     gives gate and up exactly as int8_scaled_mm_with_quant would for each half (bit for bit), then
     silu(gate) * up in fp32 (the fused MoE's SiLU, identical on every variant), cast once -> [..., I] in out_dtype
     (default x.dtype). No gradient: backward through it raises."""
@@ -147,20 +147,40 @@ def pack_weight_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[tor
 def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """(q int8 [N, K] in [-8, 7], scale fp32 [N, groups], minimum fp32 [N, groups] or None, group size (0: per
     channel)) of a verified W4A8 blob: pack_weight_int4's inputs back (to save checkpoints)."""
-    q = unpack_weight(blob)
+    q = unpack_weight(blob)  # verifies the blob as the ops do
     raw = blob.detach().contiguous()
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     scheme, group = header_format(raw)
     if scheme == 0:
         raise ValueError("blob: holds int8 weights (pack_weight); int4_weight_values reads pack_weight_int4's blobs")
-    groups = k_padded // (group or k_padded)
-    values = 2 if scheme == 2 else 1
-    nibble_bytes = k_padded * nr // 2
-    panel_bytes = nibble_bytes + groups * nr * 4 * values
-    body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
+    body, nibble_bytes, groups, values = int4_panels(raw)
     floats = body[:, nibble_bytes:].contiguous().view(torch.float32).view(n_padded // nr, values, groups, nr)
     per_channel = floats.permute(1, 0, 3, 2).reshape(values, n_padded, groups)[:, :n]
     return q, per_channel[0].contiguous(), per_channel[1].contiguous() if values == 2 else None, group
+
+
+def weight_scheme(blob: torch.Tensor) -> str:
+    """"int8" or "int4": the weight scheme of a packed blob, verified first as the ops verify it (ValueError)."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight or pack_weight_int4, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    ops._verify_packed_weight(raw)
+    return "int8" if header_format(raw)[0] == 0 else "int4"
+
+
+def dequantized_weight(blob: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] float weight a packed blob stands for in the linear ops, times w_scale [N]: int8 q * w_scale, or
+    for int4 (q * group scale (+ group minimum)) * w_scale."""
+    if weight_scheme(blob) == "int8":
+        weight = unpack_weight(blob).float()
+    else:
+        q, scale, minimum, group = int4_weight_values(blob)
+        which = torch.arange(q.shape[1]) // (group or q.shape[1])  # each k's group
+        weight = q.float() * scale[:, which]
+        if minimum is not None:
+            weight = weight + minimum[:, which]
+    return weight * w_scale.float().reshape(-1, 1)
 
 
 def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tensor, int, int]:
@@ -173,12 +193,8 @@ def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tenso
     raw = blob.detach().contiguous()
     ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    scheme, group = header_format(raw)
-    if scheme != 0:  # int4: per panel, nibbles (u = q + 8; 32 bytes hold 64 elements: low nibbles, then high) + values
-        groups = k_padded // (group or k_padded)
-        nibble_bytes = k_padded * nr // 2
-        panel_bytes = nibble_bytes + groups * nr * 4 * (2 if scheme == 2 else 1)
-        body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
+    if header_format(raw)[0] != 0:  # int4: nibbles u = q + 8, 32 bytes hold 64 elements: low nibbles, then high
+        body, nibble_bytes, _, _ = int4_panels(raw)
         chunks = body[:, :nibble_bytes].reshape(-1, 32).to(torch.int16)
         panels = (torch.cat([chunks & 0x0F, chunks >> 4], dim=1) - 8).to(torch.int8).reshape(-1)
     else:

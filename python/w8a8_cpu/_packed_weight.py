@@ -37,6 +37,25 @@ def panel_layout() -> Tuple[int, int]:
     return info["panel_width"], info["panel_depth"]
 
 
+def int8_blob_nbytes(n_padded: int, k_padded: int) -> int:
+    """Bytes of an int8 blob of padded size n_padded x k_padded: the header, the panels, one int32 sum per channel."""
+    return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+
+
+def int4_panels(raw) -> Tuple[torch.Tensor, int, int, int]:
+    """(body uint8 [panels, panel bytes], nibble bytes of a panel, groups, fp32 values per group and channel) of a
+    verified int4 blob: each panel's nibbles, then its scales [groups][nr] (and minimums): pack_weight_int4's layout
+    (csrc/common/packed_weight.h, WeightScheme)."""
+    nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
+    scheme, group = header_format(raw)
+    groups = k_padded // (group or k_padded)
+    values = 2 if scheme == 2 else 1
+    nibble_bytes = k_padded * nr // 2
+    panel_bytes = nibble_bytes + groups * nr * 4 * values
+    body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
+    return body, nibble_bytes, groups, values
+
+
 def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_mins: bool = False) -> int:
     """Bytes of pack_weight's blob for an int8 [n, k] weight in the active variant's layout: the header, the int8
     panels (N and K padded to whole panels) and one int32 channel sum per padded channel; with int4_group (0: per
@@ -45,8 +64,7 @@ def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_
     nr, kr = panel_layout()
     n_padded = (n + nr - 1) // nr * nr
     if int4_group is None:
-        k_padded = (k + kr - 1) // kr * kr
-        return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+        return int8_blob_nbytes(n_padded, (k + kr - 1) // kr * kr)
     step = int4_group or 32
     k_padded = (k + step - 1) // step * step
     groups = k_padded // (int4_group or k_padded)

@@ -120,7 +120,8 @@ def run(args, parser) -> int:
     from w8a8_cpu.llm.smoothquant import smooth_quant
     from w8a8_cpu.nn import quantize_model
 
-    progress = Progress(6, enabled=not args.no_progress, name="quantize")
+    progress = Progress(5, enabled=not args.no_progress, name="quantize")  # load, smooth + quantize (or the
+    # search), held-out scores, write, done
     progress.step(f"loading {args.model_dir}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -132,34 +133,40 @@ def run(args, parser) -> int:
     calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
     t0 = time.perf_counter()
 
-    def quantized(float_model: torch.nn.Module) -> torch.nn.Module:
-        return quantize_model(float_model, skip=args.skip, scheme=args.scheme, group_size=args.group_size,
+    def quantized(alpha: Optional[float]) -> torch.nn.Module:
+        """A quantized copy of the float model, smoothed first with alpha (None: not); `model` stays float."""
+        candidate = copy.deepcopy(model)
+        if alpha is not None:
+            smooth_quant(candidate, calibration, alpha=alpha)
+        return quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size,
                               symmetric=True)
 
-    alpha: Optional[float] = None if args.smoothquant == "none" else args.smoothquant
+    def held_out_scores(candidate: torch.nn.Module) -> Dict[str, dict]:
+        return _held_out({"float": model, "quantized": candidate}, held_out)
+
     search: List[dict] = []
-    if args.smoothquant == "search":
+    if args.smoothquant == "search":  # one candidate at a time: the float model and two quantized copies at most
         progress.step(f"SmoothQuant alpha search over {SEARCH_ALPHAS} ({args.calibration_tokens} calibration tokens)")
-        candidates = {}
+        best = None
         for a in SEARCH_ALPHAS:
-            smoothed = copy.deepcopy(model)
-            smooth_quant(smoothed, calibration, alpha=a)
-            candidates[f"alpha {a}"] = quantized(smoothed)
-        scores = _held_out({"float": model, **candidates}, held_out)
-        search = [{"alpha": a, "kl": scores[f"alpha {a}"]["kl"], "ppl": scores[f"alpha {a}"]["ppl"]}
-                  for a in SEARCH_ALPHAS]
-        alpha = min(search, key=lambda row: row["kl"])["alpha"]
-        del candidates
+            candidate = quantized(a)
+            candidate_scores = held_out_scores(candidate)
+            search.append({"alpha": a, "kl": candidate_scores["quantized"]["kl"],
+                           "ppl": candidate_scores["quantized"]["ppl"]})
+            if best is None or search[-1]["kl"] < best[0]["kl"]:
+                best = (search[-1], candidate, candidate_scores)
+            del candidate
+        alpha, model_q, scores = best[0]["alpha"], best[1], best[2]
+        progress.step(f"held-out perplexity of the search's alpha {alpha}")
     else:
-        progress.step("SmoothQuant" if alpha is not None else "SmoothQuant skipped (--smoothquant none)")
-    reference = copy.deepcopy(model)
-    if alpha is not None:
-        smooth_quant(model, calibration, alpha=alpha)
-    progress.step(f"quantizing ({args.scheme})")
-    model = quantized(model)
-    progress.step("held-out perplexity")
-    scores = _held_out({"float": reference, "quantized": model}, held_out)
+        alpha = None if args.smoothquant == "none" else args.smoothquant
+        progress.step(f"SmoothQuant and quantizing ({args.scheme})" if alpha is not None else
+                      f"quantizing ({args.scheme}; SmoothQuant skipped: --smoothquant none)")
+        model_q = quantized(alpha)
+        progress.step("held-out perplexity")
+        scores = held_out_scores(model_q)
     progress.step(f"writing {args.out_dir}")
+    model = model_q
     out = Path(args.out_dir)
     save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
     report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,

@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 
 import w8a8_cpu
-from w8a8_cpu._packed_weight import HEADER_BYTES, header_sizes
+from w8a8_cpu._packed_weight import HEADER_BYTES, header_sizes, int8_blob_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ def _blob(mat2: torch.Tensor) -> torch.Tensor:
     flat = mat2.reshape(-1)
     if isinstance(flat, torch._subclasses.FakeTensor) or flat.is_meta or flat.numel() < HEADER_BYTES:
         return flat
-    nr, kr, n, k, n_padded, k_padded = header_sizes(flat)
-    declared = HEADER_BYTES + n_padded * k_padded + 4 * n_padded
+    declared = int8_blob_nbytes(*header_sizes(flat)[4:])
     return flat[:declared] if HEADER_BYTES <= declared <= flat.numel() else flat
 
 

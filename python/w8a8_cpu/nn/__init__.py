@@ -10,7 +10,7 @@ import torch
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
 from .._functions import (_gather_rows, _verified_panels, fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
                           pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
-                          unpack_weight)
+                          unpack_weight, weight_scheme)
 from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
@@ -150,14 +150,16 @@ class W4A8Linear(W8A8Linear):
                 f"int4 groups of {self.group_size or self.in_features}")
 
 
-def _rows_of(layer: W8A8Linear, begin: int, end: int) -> W8A8Linear:
-    """Output channels [begin, end) of a W8A8Linear or W4A8Linear as a layer of its own, of the same scheme."""
-    bias = None if layer.bias is None else layer.bias[begin:end]
-    if isinstance(layer, W4A8Linear):
-        q, scale, minimum, group = layer.int4_weight()
+def _rows_of(weight_packed: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], begin: int,
+             end: int) -> W8A8Linear:
+    """Output channels [begin, end) of a packed weight (its scheme read from the blob) with its w_scale and bias, as
+    a layer of its own: W8A8Linear, or W4A8Linear for an int4 blob."""
+    bias = None if bias is None else bias[begin:end]
+    if weight_scheme(weight_packed) == "int4":
+        q, scale, minimum, group = int4_weight_values(weight_packed)
         return W4A8Linear(q[begin:end], scale[begin:end], None if minimum is None else minimum[begin:end], group, bias,
-                          layer.w_scale[begin:end])
-    return W8A8Linear(layer.int8_weight()[begin:end], layer.w_scale[begin:end], bias)
+                          w_scale[begin:end])
+    return W8A8Linear(unpack_weight(weight_packed)[begin:end], w_scale[begin:end], bias)
 
 
 def _concatenated(parts: List[W8A8Linear]) -> W8A8Linear:
@@ -236,7 +238,7 @@ class W8A8LinearSlice(torch.nn.Module):
 
     def layer(self) -> W8A8Linear:
         """This slice as a layer of its own (W8A8Linear or W4A8Linear: to save checkpoints with the unfused names)."""
-        return _rows_of(self.fused, self.begin, self.end)
+        return _rows_of(self.fused.weight_packed, self.fused.w_scale, self.fused.bias, self.begin, self.end)
 
     def extra_repr(self) -> str:
         return f"channels [{self.begin}, {self.end}) of a fused {self.fused.out_features}-channel W8A8Linear"
@@ -260,7 +262,6 @@ class W8A8GatedMLP(_Fp32Scales):
         if down_proj.in_features != self.intermediate_size:
             raise ValueError(f"down_proj: expects {down_proj.in_features} input features, the gate/up projection gives "
                              f"{self.intermediate_size}")
-        self.int4 = isinstance(gate_up, W4A8Linear)
         self.register_buffer("gate_up_packed", gate_up.weight_packed)
         self.register_buffer("gate_up_scale", gate_up.w_scale)
         self.register_buffer("gate_up_bias", gate_up.bias)
@@ -288,12 +289,8 @@ class W8A8GatedMLP(_Fp32Scales):
     def projections(self) -> Dict[str, W8A8Linear]:
         """{"gate_proj" | "up_proj": the unfused layer (W8A8Linear or W4A8Linear)}, for checkpoints that keep the
         per-layer names."""
-        whole = W8A8Linear.__new__(W4A8Linear if self.int4 else W8A8Linear)
-        _Fp32Scales.__init__(whole)
-        whole.out_features, whole.in_features = 2 * self.intermediate_size, self.hidden_size
-        whole.weight_packed, whole.w_scale, whole.bias = self.gate_up_packed, self.gate_up_scale, self.gate_up_bias
-        i = self.intermediate_size
-        return {"gate_proj": _rows_of(whole, 0, i), "up_proj": _rows_of(whole, i, 2 * i)}
+        i, parts = self.intermediate_size, (self.gate_up_packed, self.gate_up_scale, self.gate_up_bias)
+        return {"gate_proj": _rows_of(*parts, 0, i), "up_proj": _rows_of(*parts, i, 2 * i)}
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, gate/up fused"

@@ -53,6 +53,7 @@ class CommStats:
 
 STATS = CommStats()
 _timeout_s: Optional[float] = None  # the timeout init() gave the process group, quoted in RankFailure
+_finish_store = None  # init()'s rendezvous store (a prefix of it): finish() lets rank 0, its host, leave last
 
 
 def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
@@ -63,7 +64,7 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
     Before the process group forms, every rank publishes its RANK and WORLD_SIZE in the rendezvous store and checks
     them against rank 0's and the others': ranks started with disagreeing settings raise RankFailure naming the
     mismatch within timeout_s (torch alone fails after several timeouts with a store or gloo error)."""
-    global _timeout_s
+    global _timeout_s, _finish_store
     if timeout_s <= 0:
         raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
@@ -93,6 +94,7 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
     dist.init_process_group(backend, store=dist.PrefixStore("w8a8_cpu/pg", store), rank=rank,
                             world_size=world_size, timeout=timeout)
     _timeout_s = timeout_s
+    _finish_store = dist.PrefixStore(f"w8a8_cpu/finish/{attempt}", store)
     return dist.group.WORLD
 
 
@@ -126,10 +128,25 @@ def _agree_on_world(store, rank: int, world_size: int, timeout_s: float) -> None
 
 
 def finish(group=None) -> None:
-    """Leave the process group: a barrier (RankFailure if a rank is gone), then destroy_process_group. No rank tears
-    down its connections, or rank 0 the rendezvous store, while another is still inside a collective: a rank exiting
-    early has aborted a peer in teardown (SIGABRT, "terminate called without an active exception")."""
+    """Leave the process group: a barrier (RankFailure if a rank is gone), then destroy_process_group, rank 0 (the
+    rendezvous store's host when init() made the group) last, once the others have left (bounded by the timeout).
+    No rank tears down its connections, or rank 0 the store, while another still uses them: that has aborted a peer
+    in teardown (SIGABRT, "terminate called without an active exception")."""
     _collective("final barrier", lambda: dist.barrier(group=group))
+    whole_world = group is None or group is dist.group.WORLD
+    if _finish_store is None or not whole_world:
+        dist.destroy_process_group(group)
+        return
+    # rank 0 hosts the store (init): the others tear their groups down first and say so through it, so that the
+    # store's server never goes while a peer's teardown still talks to it (seen: a peer aborted, same message)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        dist.destroy_process_group(group)
+        _finish_store.add("left", 1)
+        return
+    deadline = time.monotonic() + (_timeout_s or DEFAULT_TIMEOUT_S)
+    while int(_finish_store.add("left", 0)) < world_size - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     dist.destroy_process_group(group)
 
 

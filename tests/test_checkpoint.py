@@ -397,9 +397,10 @@ def top_level_format(value):
 
 REFUSED = [
     ("asymmetric weights", group_field("weights.symmetric", False), "weights.symmetric"),
-    ("asymmetric activations", group_field("input_activations.symmetric", False), "input_activations.symmetric"),
-    ("static activations", group_field("input_activations.dynamic", False), "input_activations.dynamic"),
-    ("per-tensor activations", group_field("input_activations.strategy", "tensor"), "input_activations.strategy"),
+    ("static per-token activations", group_field("input_activations.dynamic", False), "input_activations.dynamic"),
+    ("dynamic per-tensor activations", group_field("input_activations.strategy", "tensor"),
+     "input_activations.dynamic"),
+    ("group activations", group_field("input_activations.strategy", "group"), "input_activations.strategy"),
     ("group weights", group_field("weights.strategy", "group"), "weights.strategy"),
     ("group size", group_field("weights.group_size", 128), "weights.group_size"),
     ("block weights", group_field("weights.block_structure", [128, 128]), "weights.block_structure"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from typing import Iterator, Optional, Tuple
 
@@ -120,6 +121,93 @@ def int8_gated_mm_with_quant(
     (default x.dtype). No gradient: backward through it raises."""
     _require_tensors(x=x, w=w, w_scale=w_scale)
     return ops.int8_gated_mm_with_quant(x, w, w_scale, bias, out_dtype)
+
+
+# Largest K of a layer with asymmetric activations: |x_q . w - zp * sum(w)| <= 2 * 128 * 128 * K must fit int32.
+MAX_K_ZERO_POINT = 65535
+
+
+def _strict_finite() -> bool:
+    """W8A8_CPU_CHECK_FINITE=1: a NaN/Inf activation row raises instead of giving a NaN output row (as in the ops)."""
+    return os.environ.get("W8A8_CPU_CHECK_FINITE") == "1"
+
+
+def check_static_activation_params(input_scale: torch.Tensor, input_zero_point: Optional[torch.Tensor],
+                                   symmetric: bool) -> None:
+    """A static activation scale: one finite value > 0; a zero point (asymmetric only, then required): one integer
+    in [-128, 127]. ValueError naming the argument otherwise."""
+    one_float = isinstance(input_scale, torch.Tensor) and input_scale.numel() == 1 and input_scale.is_floating_point()
+    if not one_float or not (math.isfinite(float(input_scale)) and float(input_scale) > 0):
+        raise ValueError(f"input_scale: expected one finite float > 0, got "
+                         f"{float(input_scale) if one_float else type(input_scale).__name__}")
+    if (input_zero_point is None) != symmetric:
+        raise ValueError("input_zero_point: static activations take one exactly when they are asymmetric")
+    if input_zero_point is not None and (
+            not isinstance(input_zero_point, torch.Tensor) or input_zero_point.numel() != 1
+            or input_zero_point.is_floating_point() or input_zero_point.is_complex()
+            or not -128 <= int(input_zero_point) <= 127):
+        raise ValueError("input_zero_point: expected one integer in [-128, 127]")
+
+
+def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
+                         input_zero_point: Optional[torch.Tensor] = None, symmetric: bool = True
+                         ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The activation schemes besides the default (per_token_quant_int8: dynamic per token, symmetric, [-127, 127]):
+    x float [M, K] -> (x_q int8 [M, K], x_scale fp32 [M], x_zero_point int32 [M] or None for symmetric).
+
+    Static (input_scale fp32, one value, from a checkpoint; input_zero_point one integer in [-128, 127] when
+    asymmetric): q = clamp(round_half_even(x / s) + zp, -128, 127) in fp32, the full int8 range as compressed-tensors
+    and vLLM quantize. Dynamic asymmetric per token (input_scale None, symmetric False): the row's range widened to
+    include 0, lo = min(min x, 0), hi = max(max x, 0), s = max((hi - lo) / 255, 1e-10), zp = clamp(-128 - round(lo /
+    s), -128, 127), then the same rule. A row holding NaN/Inf gets scale NaN and q = 0 (its output row is NaN), or
+    raises ValueError under W8A8_CPU_CHECK_FINITE=1."""
+    _require_tensors(x=x)
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"x: expected a floating-point [M, K] tensor, got {x.dtype} {tuple(x.shape)}")
+    if input_scale is None and (symmetric or input_zero_point is not None):
+        raise ValueError("input_scale: None means dynamic per-token activations, which take no zero point here and "
+                         "are asymmetric (symmetric ones: per_token_quant_int8)")
+    if input_scale is not None:
+        check_static_activation_params(input_scale, input_zero_point, symmetric)
+    x32 = x.detach().to(torch.float32)
+    bad = ~torch.isfinite(x32).all(dim=1)
+    if _strict_finite() and bool(bad.any()):
+        raise ValueError(f"x: row {int(bad.nonzero()[0])} contains NaN or Inf (W8A8_CPU_CHECK_FINITE=1)")
+    x32 = x32.masked_fill(bad[:, None], 0.0)
+    if input_scale is None:
+        low, high = x32.amin(dim=1).clamp(max=0.0), x32.amax(dim=1).clamp(min=0.0)
+        scale = ((high - low) / 255).clamp_min(1e-10)
+        zero_point = (-128 - torch.round(low / scale)).clamp(-128, 127).to(torch.int32)
+    else:
+        scale = input_scale.reshape(1).to(torch.float32).expand(x32.shape[0]).clone()
+        zero_point = None if symmetric else input_zero_point.reshape(1).to(torch.int32).expand(x32.shape[0])
+    q = torch.round(x32 / scale[:, None])
+    if zero_point is not None:
+        q = q + zero_point[:, None]
+    x_q = q.clamp_(-128, 127).to(torch.int8).masked_fill_(bad[:, None], 0)
+    return x_q, scale.masked_fill(bad, float("nan")), zero_point
+
+
+def int8_scaled_mm_with_activations(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                                    bias: Optional[torch.Tensor] = None, *, input_scale: Optional[torch.Tensor] = None,
+                                    input_zero_point: Optional[torch.Tensor] = None, symmetric: bool = True,
+                                    w_sum: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int8_scaled_mm_with_quant for static and/or asymmetric activations (quantize_activations' schemes) -> [..., N]
+    in x.dtype: out = float32(x_q . w - zp * sum_k w, exact in int32) * (x_scale * w_scale) + bias, the same epilogue
+    (scale_accumulators). w: an int8 packed blob; w_sum int32 [N] its channel sums (computed when None). No gradient."""
+    _require_tensors(x=x, w=w, w_scale=w_scale)
+    k = x.shape[-1]
+    if not symmetric and k > MAX_K_ZERO_POINT:
+        raise ValueError(f"x: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' int32 "
+                         f"accumulators could overflow")
+    x_q, x_scale, zero_point = quantize_activations(x.reshape(-1, k), input_scale, input_zero_point, symmetric)
+    acc = ops.int8_mm(x_q, w)
+    if zero_point is not None:
+        if w_sum is None:
+            w_sum = unpack_weight(w).sum(dim=1, dtype=torch.int32)
+        acc = acc - zero_point[:, None] * w_sum[None, :]
+    out = ops.scale_accumulators(acc, x_scale, w_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

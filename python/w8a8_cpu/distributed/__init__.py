@@ -205,6 +205,9 @@ class LinearShard:
 
     def of(self, layer: W8A8Linear) -> torch.nn.Module:
         """The sharded layer cut from a whole one."""
+        if layer.activation_scheme != "token":
+            raise ValueError(f"model: {self.name} has {layer.activation_scheme!r} activations; shard_model splits "
+                             f"layers with dynamic per-token symmetric ('token') activations only")
         bias = None if layer.bias is None else layer.bias[self.channel_index]
         return self.build(layer.int8_weight()[self.weight_index], layer.w_scale[self.channel_index], bias)
 

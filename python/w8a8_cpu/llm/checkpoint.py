@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 
 try:  # the regex parser, to refuse patterns that backtrack exponentially
     from re import _parser as _re_parser
@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .._files import read_json_object
+from .._functions import check_static_activation_params
 from ..nn import (W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE,
                   _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
@@ -121,8 +122,6 @@ def _is_router(module: torch.nn.Module) -> bool:
 
 _INT8_CHANNEL_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
                          "dynamic": False}
-_INT8_TOKEN_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
-                           "dynamic": True}
 
 
 def _int4_weights(group_size: int, symmetric: bool) -> dict:
@@ -132,18 +131,45 @@ def _int4_weights(group_size: int, symmetric: bool) -> dict:
             "group_size": group_size or None, "dynamic": False}
 
 
-def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, Tuple[int, bool]], has_int8: bool) -> dict:
-    """int8 layers: one group targeting Linear (int-quantized); int4 layers ({name: (group size, symmetric)}): one
-    pack-quantized group per kind naming them (exact names take precedence over the class target)."""
+@dataclass(frozen=True)
+class ActivationArgs:
+    """A layer's int8 input activations: static (one stored scale, `input_scale`, strategy "tensor") or dynamic
+    per token (strategy "token"), symmetric or with a zero point (`input_zero_point` when static)."""
+    static: bool
+    symmetric: bool
+
+
+DYNAMIC_TOKEN = ActivationArgs(static=False, symmetric=True)  # the default: the fused op's per-token quantization
+
+
+def _activation_quantization_args(activations: ActivationArgs) -> dict:
+    """compressed-tensors' QuantizationArgs of int8 input activations (static: per tensor; dynamic: per token)."""
+    return {"num_bits": 8, "type": "int", "symmetric": activations.symmetric,
+            "strategy": "tensor" if activations.static else "token", "group_size": None,
+            "dynamic": not activations.static}
+
+
+def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, Tuple[int, bool]],
+                               activation_layers: Dict[str, ActivationArgs], has_int8: bool) -> dict:
+    """int8 layers: one group targeting Linear (int-quantized, dynamic per-token activations), and one group per other
+    activation kind naming its layers; int4 layers ({name: (group size, symmetric)}): one pack-quantized group per kind
+    naming them (exact names take precedence over the class target)."""
     groups = {}
     if has_int8 or not int4_layers:
         groups["group_0"] = {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
-                             "input_activations": dict(_INT8_TOKEN_ACTIVATIONS), "output_activations": None,
-                             "format": "int-quantized"}
-    for i, kind in enumerate(sorted(set(int4_layers.values())), start=1):
-        groups[f"group_{i}"] = {"targets": sorted(n for n, k in int4_layers.items() if k == kind),
-                                "weights": _int4_weights(*kind), "input_activations": dict(_INT8_TOKEN_ACTIVATIONS),
-                                "output_activations": None, "format": "pack-quantized"}
+                             "input_activations": _activation_quantization_args(DYNAMIC_TOKEN),
+                             "output_activations": None, "format": "int-quantized"}
+    names = (f"group_{i}" for i in range(1, len(activation_layers) + len(int4_layers) + 1))
+    for activations in sorted(set(activation_layers.values()), key=lambda a: (a.static, a.symmetric)):
+        groups[next(names)] = {
+            "targets": sorted(n for n, a in activation_layers.items() if a == activations),
+            "weights": dict(_INT8_CHANNEL_WEIGHTS), "input_activations": _activation_quantization_args(activations),
+            "output_activations": None, "format": "int-quantized"}
+    for kind in sorted(set(int4_layers.values())):
+        groups[next(names)] = {
+            "targets": sorted(n for n, k in int4_layers.items() if k == kind), "weights": _int4_weights(*kind),
+            "input_activations": _activation_quantization_args(DYNAMIC_TOKEN), "output_activations": None,
+            "format": "pack-quantized"}
     formats = {group["format"] for group in groups.values()}
     return {
         "quant_method": "compressed-tensors",
@@ -196,6 +222,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
     tensors: Dict[str, torch.Tensor] = {}
     float_layers: List[str] = []
     int4_layers: Dict[str, Tuple[int, bool]] = {}  # checkpoint name -> (group size (0: per channel), symmetric)
+    activation_layers: Dict[str, ActivationArgs] = {}  # int8 layers whose activations are not DYNAMIC_TOKEN
     written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
 
     def linear(name: str, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -209,7 +236,16 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
         """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones (symmetric, or minimums that
         are integer zero points: -scale * z, z in [-8, 7])."""
         if not isinstance(module, W4A8Linear):
-            return linear(name, module.int8_weight(), module.w_scale, module.bias)
+            linear(name, module.int8_weight(), module.w_scale, module.bias)
+            activations = ActivationArgs(module.input_scale is not None, module.symmetric_activations)
+            if activations != DYNAMIC_TOKEN:
+                prefix = naming.checkpoint_name(name)
+                activation_layers[prefix] = activations
+                for key in ("input_scale", "input_zero_point"):  # compressed-tensors' dtypes: fp32 [1], int8 [1]
+                    value = getattr(module, key)
+                    if value is not None:
+                        tensors[f"{prefix}.{key}"] = value.to(torch.int8 if key == "input_zero_point" else torch.float32)
+            return
         prefix = naming.checkpoint_name(name)
         q, scale, minimum, group = module.int4_weight()
         zero = None if minimum is None else torch.round(-minimum / scale).clamp(-8, 7)
@@ -271,7 +307,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
             continue
         seen.add(id(tensor))
         tensors[naming.checkpoint_name(key)] = tensor.detach().contiguous()
-    return tensors, float_layers, int4_layers
+    return tensors, float_layers, int4_layers, activation_layers
 
 
 def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) -> List[Dict[str, torch.Tensor]]:
@@ -355,7 +391,7 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
                              f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
                              f"config.tie_word_embeddings = False")
-    tensors, float_layers, int4_layers = _checkpoint_tensors(model, _Naming(config))
+    tensors, float_layers, int4_layers, activation_layers = _checkpoint_tensors(model, _Naming(config))
     has_int8 = any(t.dtype == torch.int8 for t in tensors.values())  # int8 weights (int4 ones are packed in int32)
 
     directory = Path(directory)
@@ -367,7 +403,8 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config_dict = config.to_dict()
     config_dict["architectures"] = [type(model).__name__]
     config_dict["dtype"] = str(model.dtype).removeprefix("torch.")
-    config_dict["quantization_config"] = _compressed_tensors_config(float_layers, int4_layers, has_int8)
+    config_dict["quantization_config"] = _compressed_tensors_config(float_layers, int4_layers, activation_layers,
+                                                                    has_int8)
     config_dict.pop(OWN_CONFIG_KEY, None)
     if any(isinstance(m, W8A8Embedding) for m in model.modules()):
         config_dict[OWN_CONFIG_KEY] = {"int8_embedding": True}
@@ -409,6 +446,7 @@ class _Scheme:
     targets: Dict[str, Union[str, "_Int4Args"]]  # target -> int8 strategy ("channel" / "tensor") or int4 args
     ignore: Tuple[str, ...]
     by_stored_dtype: bool  # sglang w8a8_int8: a layer is W8A8 iff its weight is stored int8
+    activations: Dict[str, ActivationArgs] = dataclass_field(default_factory=dict)  # target -> its input activations
 
     def __post_init__(self):
         # every `re:` entry compiled once (re's own cache holds 512: more entries would be recompiled per layer)
@@ -420,21 +458,33 @@ class _Scheme:
         pattern = self._patterns.get(target)
         return pattern.match(name) is not None if pattern is not None else target == name
 
-    def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]):
-        """The layer's weight strategy, or None when the checkpoint keeps it float."""
+    def _ignored(self, layer: str, classes: Sequence[str]) -> bool:
         # compressed-tensors' rule: an exact module name, a `re:` regex matched at the name's start, or a class name
-        ignored = any(self._name_matches(t, layer) or t in classes for t in self.ignore)
-        if self.by_stored_dtype:
-            if stored_dtype == "I8" and ignored:
-                raise ValueError(f"{self.where}: layer {_echo(layer)} is in `ignore` but its weight is stored int8")
-            return "channel" if stored_dtype == "I8" else None
-        if ignored:
+        return any(self._name_matches(t, layer) or t in classes for t in self.ignore)
+
+    def _target(self, layer: str, classes: Sequence[str]) -> Optional[str]:
+        """The target whose scheme the layer takes, None when it stays float."""
+        if self._ignored(layer, classes):
             return None
         # compressed-tensors' precedence: exact names, then regexes (each sorted), then class names
         by_name = [t for t in self._ordered if self._name_matches(t, layer)]
         by_class = [t for t in self._ordered if t in classes and t not in by_name]
         matched = by_name + by_class
-        return self.targets[matched[0]] if matched else None
+        return matched[0] if matched else None
+
+    def weight_strategy(self, layer: str, classes: Sequence[str], stored_dtype: Optional[str]):
+        """The layer's weight strategy, or None when the checkpoint keeps it float."""
+        if self.by_stored_dtype:
+            if stored_dtype == "I8" and self._ignored(layer, classes):
+                raise ValueError(f"{self.where}: layer {_echo(layer)} is in `ignore` but its weight is stored int8")
+            return "channel" if stored_dtype == "I8" else None
+        target = self._target(layer, classes)
+        return None if target is None else self.targets[target]
+
+    def activation_args(self, layer: str, classes: Sequence[str]) -> ActivationArgs:
+        """The input activations of a layer the checkpoint quantizes."""
+        target = None if self.by_stored_dtype else self._target(layer, classes)
+        return DYNAMIC_TOKEN if target is None else self.activations.get(target, DYNAMIC_TOKEN)
 
 
 def _require(condition: bool, where: str, field: str, value, supported: str) -> None:
@@ -544,10 +594,11 @@ def _check_int4_args(args: dict, where: str, field: str, packed: bool) -> _Int4A
     return _Int4Args(group_size if strategy == "group" else 0, args.get("symmetric", True), packed)
 
 
-def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: bool,
-                int4_format: Optional[str] = None):
+def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: Optional[bool],
+                int4_format: Optional[str] = None, asymmetric: bool = False):
     """Validate one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy (int8), or
-    for 4-bit weights (int4_format: the group's format, given for weights) an _Int4Args."""
+    for 4-bit weights (int4_format: the group's format, given for weights) an _Int4Args. asymmetric: zero points
+    allowed; dynamic None: left to the caller."""
     _require(isinstance(args, dict), where, field, args, "expected an object")
     _check_fields(args, _ARGS_FIELDS, where, field)
     if int4_format is not None and args.get("num_bits") == 4:
@@ -556,8 +607,8 @@ def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic
              "w8a8_cpu runs 8-bit quantization only (4-bit weights: pack-quantized)")
     _require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
              "w8a8_cpu runs int8 only (not float / fp8)")
-    _require(args.get("symmetric", True) is True, where, f"{field}.symmetric", args.get("symmetric"),
-             "w8a8_cpu runs symmetric quantization only (no zero points)")
+    _require(args.get("symmetric", True) in ((True, False) if asymmetric else (True,)), where, f"{field}.symmetric",
+             args.get("symmetric"), "w8a8_cpu runs symmetric int8 weights only (no zero points)")
     group_size = args.get("group_size")
     strategy = _lower(args.get("strategy"))
     if strategy is None:  # compressed-tensors infers it from group_size: none -> tensor, -1 -> channel, else group
@@ -567,12 +618,22 @@ def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic
     _require(group_size in (None, -1), where, f"{field}.group_size", group_size, "group-wise scales are not supported")
     _require(args.get("block_structure") is None, where, f"{field}.block_structure", args.get("block_structure"),
              "block-wise scales are not supported")
-    _require(args.get("dynamic", False) is dynamic, where, f"{field}.dynamic", args.get("dynamic"),
-             "expected true: w8a8_cpu computes activation scales per token at run time"
-             if dynamic else "expected false: weights carry static scales")
+    if dynamic is not None:
+        _require(args.get("dynamic", False) is dynamic, where, f"{field}.dynamic", args.get("dynamic"),
+                 "expected true: w8a8_cpu computes activation scales per token at run time"
+                 if dynamic else "expected false: weights carry static scales")
     _require(args.get("actorder") in (None, False, "weight"), where, f"{field}.actorder", args.get("actorder"),
              "activation-ordered groups (g_idx) are not supported")
     return strategy
+
+
+def _check_activation_args(args, where: str, field: str) -> ActivationArgs:
+    """int8 activations: dynamic per token or static per tensor, symmetric or not (quantize_activations)."""
+    strategy = _check_args(args, where, field, ("token", "tensor"), dynamic=None, asymmetric=True)
+    _require(args.get("dynamic", False) is (strategy == "token"), where, f"{field}.dynamic", args.get("dynamic"),
+             "w8a8_cpu runs dynamic per-token (strategy token, dynamic true) or static per-tensor (strategy tensor, "
+             "dynamic false) activations")
+    return ActivationArgs(static=strategy == "tensor", symmetric=args.get("symmetric", True))
 
 
 _COMPRESSED_TENSORS_FIELDS = ("quant_method", "format", "quantization_status", "config_groups", "ignore",
@@ -594,6 +655,7 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> _Scheme:
     groups = qc.get("config_groups")
     _require(isinstance(groups, dict) and groups, where, "config_groups", groups, "expected a non-empty object")
     targets: Dict[str, str] = {}
+    activations_of: Dict[str, ActivationArgs] = {}
     for group_name, group in groups.items():
         field = f"config_groups[{_echo(group_name)}]"
         _require(isinstance(group, dict), where, field, group,
@@ -611,11 +673,16 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> _Scheme:
                                int4_format=group_format)
         _require(group_format != _INT4_FORMAT or isinstance(strategy, _Int4Args), where, f"{field}.format",
                  group_format, "pack-quantized holds 4-bit weights; int8 weights are int-quantized")
-        _check_args(group["input_activations"], where, f"{field}.input_activations", ("token",), dynamic=True)
+        activations = _check_activation_args(group["input_activations"], where, f"{field}.input_activations")
+        _require(activations == DYNAMIC_TOKEN or not isinstance(strategy, _Int4Args), where,
+                 f"{field}.input_activations", group["input_activations"],
+                 "int4 weights run with int8 dynamic per-token symmetric activations only")
         for target in _check_names(group.get("targets"), where, f"{field}.targets"):
-            targets[target] = strategy  # a later group's scheme replaces an earlier one's (compressed-tensors' rule)
+            # a later group's scheme replaces an earlier one's (compressed-tensors' rule)
+            targets[target] = strategy
+            activations_of[target] = activations
     ignore = _check_names(qc.get("ignore") or [], where, "ignore")
-    return _Scheme(where, targets, ignore, by_stored_dtype=False)
+    return _Scheme(where, targets, ignore, by_stored_dtype=False, activations=activations_of)
 
 
 _SGLANG_FIELDS = ("quant_method", "ignore", "activation_scheme")
@@ -779,11 +846,17 @@ class _Loader:
     def _strategy(self, layer: str, classes: Sequence[str]) -> Optional[str]:
         return self.scheme.weight_strategy(layer, classes, self.tensors.stored_dtype(f"{layer}.weight"))
 
-    def _linear(self, layer: str, classes: Sequence[str], shape: Sequence[int], dtype: torch.dtype, shard=None):
+    def _linear(self, layer: str, classes: Sequence[str], shape: Sequence[int], dtype: torch.dtype, shard=None,
+                any_activations: bool = False):
         """(int8 weight, fp32 scale) of a W8A8 layer (of its part `shard`, when given), or (float weight, None) of
-        a layer stored float."""
+        a layer stored float. any_activations: the caller reads static / asymmetric activation parameters itself;
+        otherwise (fused experts) only dynamic per-token symmetric activations are accepted."""
         weight = f"{layer}.weight"
         strategy = self._strategy(layer, classes)
+        if not any_activations and strategy is not None and \
+                self.scheme.activation_args(layer, classes) != DYNAMIC_TOKEN:
+            raise ValueError(f"{self.tensors.directory}: {layer} has static or asymmetric activations; w8a8_cpu runs "
+                             f"those in Linear layers only, fused MoE experts take dynamic per-token symmetric ones")
         if strategy is None:
             if shard is not None:
                 raise ValueError(f"{self.tensors._where(weight)}: stored float, but a sharded load splits this "
@@ -833,20 +906,44 @@ class _Loader:
         layer = self.naming.checkpoint_name(name)
         classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
         strategy = self._strategy(layer, classes)
+        activations = self.scheme.activation_args(layer, classes)
+        if activations != DYNAMIC_TOKEN and shard is not None:
+            raise ValueError(f"{self.tensors.directory}: {layer} has static or asymmetric activations; a sharded load "
+                             f"splits it, which w8a8_cpu.distributed does for dynamic per-token symmetric ones only")
         if isinstance(strategy, _Int4Args):
             if shard is not None:
                 raise ValueError(f"{self.tensors.directory}: {layer} holds int4 weights; a sharded load splits it, "
                                  f"which w8a8_cpu.distributed does for W8A8 layers only")
             return self._int4_linear(name, layer, strategy, module)
-        weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype, shard)
+        weight, scale = self._linear(layer, classes, module.weight.shape, module.weight.dtype, shard,
+                                     any_activations=True)
         if scale is None:
             module.weight = torch.nn.Parameter(weight, requires_grad=False)  # its bias: with the other parameters
             return
         rows = None if shard is None else shard.channel_index
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32, rows)
-        _replace_module(self.model, name,
-                        W8A8Linear(weight, scale, bias) if shard is None else shard.build(weight, scale, bias))
+        if shard is not None:
+            return _replace_module(self.model, name, shard.build(weight, scale, bias))
+        _replace_module(self.model, name, W8A8Linear(weight, scale, bias, **self._activation_params(layer, activations)))
+
+    def _activation_params(self, layer: str, activations: ActivationArgs) -> dict:
+        """W8A8Linear's activation arguments: a static layer's input_scale [1] (or a scalar), finite and > 0, and its
+        input_zero_point [1] (int8 or int32) in [-128, 127] when asymmetric."""
+        params = {"symmetric_activations": activations.symmetric}
+        if activations.static:
+            key = f"{layer}.input_scale"
+            params["input_scale"] = self.tensors._take(key, tuple(_FLOAT_DTYPES), [[1], []], "a static activation "
+                                                       "scale").to(torch.float32)
+            if not activations.symmetric:
+                params["input_zero_point"] = self.tensors._take(f"{layer}.input_zero_point", ("I8", "I32"), [[1], []],
+                                                                "a static activation zero point")
+            try:
+                check_static_activation_params(params.get("input_scale"), params.get("input_zero_point"),
+                                               activations.symmetric)
+            except ValueError as e:
+                raise ValueError(f"{self.tensors._where(key)}: {e}") from None
+        return params
 
     def experts(self, name: str, module: torch.nn.Module, shard=None) -> None:
         """The experts module from its per-expert Linear layers (only the experts `shard.part` when sharded: the

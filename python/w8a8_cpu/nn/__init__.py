@@ -8,7 +8,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
-from .._functions import (_gather_rows, _verified_panels, fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
+from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
+                          fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
                           pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
                           unpack_weight, weight_scheme)
 from .._loader import ops as _ops
@@ -66,7 +67,9 @@ class W8A8Linear(_Fp32Scales):
 
     _fp32_buffers = ("w_scale",)
 
-    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                 input_scale: Optional[torch.Tensor] = None, input_zero_point: Optional[torch.Tensor] = None,
+                 symmetric_activations: bool = True):
         super().__init__()
         if w_q.dtype != torch.int8 or w_q.dim() != 2:
             raise ValueError(f"w_q: expected int8 [N, K], got {w_q.dtype} {tuple(w_q.shape)}")
@@ -74,6 +77,46 @@ class W8A8Linear(_Fp32Scales):
         self.register_buffer("weight_packed", pack_weight(w_q.contiguous()))
         self.register_buffer("w_scale", _finite_fp32(w_scale, "w_scale").reshape(-1))
         self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
+        self._register_activations(input_scale, input_zero_point, symmetric_activations, w_q)
+
+    def _register_activations(self, input_scale: Optional[torch.Tensor], input_zero_point: Optional[torch.Tensor],
+                              symmetric: bool, w_q: Optional[torch.Tensor]) -> None:
+        """The activation scheme (activation_scheme): input_scale fp32 [1] when static, input_zero_point int32 [1]
+        when static and asymmetric (both saved with the layer), and for asymmetric activations the weight's channel
+        sums w_sum (int32 [N], derived from the weight, so not saved)."""
+        if not isinstance(symmetric, bool):
+            raise ValueError(f"symmetric_activations: expected a bool, got {symmetric!r}")
+        if input_scale is not None:
+            check_static_activation_params(input_scale, input_zero_point, symmetric)
+            self._fp32_buffers = ("w_scale", "input_scale")
+        elif input_zero_point is not None:
+            raise ValueError("input_zero_point: given without input_scale (dynamic activations compute their own)")
+        if not symmetric and self.in_features > MAX_K_ZERO_POINT:
+            raise ValueError(f"w_q: K = {self.in_features} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric "
+                             f"activations' int32 accumulators could overflow")
+        self.symmetric_activations = symmetric
+        self.register_buffer("input_scale", None if input_scale is None else
+                             input_scale.detach().to(torch.float32).reshape(1).clone())
+        self.register_buffer("input_zero_point", None if input_zero_point is None else
+                             input_zero_point.detach().to(torch.int32).reshape(1).clone())
+        self.register_buffer("w_sum", None if symmetric else w_q.sum(dim=1, dtype=torch.int32), persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.input_scale is not None:  # a static scale loaded into a built layer: checked as at construction
+            check_static_activation_params(state_dict.get(prefix + "input_scale", self.input_scale),
+                                           state_dict.get(prefix + "input_zero_point", self.input_zero_point),
+                                           self.symmetric_activations)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.w_sum is not None:  # derived from the weight, which may just have been replaced
+            self.w_sum = unpack_weight(self.weight_packed).sum(dim=1, dtype=torch.int32)
+
+    @property
+    def activation_scheme(self) -> str:
+        """How forward quantizes its input: "token" (dynamic per token, symmetric: the fused op, the default),
+        "token-asymmetric" (dynamic per token with a zero point), "tensor" (static: input_scale) or
+        "tensor-asymmetric" (static: input_scale and input_zero_point); see quantize_activations."""
+        return ("token" if self.input_scale is None else "tensor") + \
+            ("" if self.symmetric_activations else "-asymmetric")
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "W8A8Linear":
@@ -93,6 +136,10 @@ class W8A8Linear(_Fp32Scales):
         super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None or not self.symmetric_activations:
+            return int8_scaled_mm_with_activations(
+                x, self.weight_packed, self.w_scale, self.bias, input_scale=self.input_scale,
+                input_zero_point=self.input_zero_point, symmetric=self.symmetric_activations, w_sum=self.w_sum)
         if _below_autograd(x, self.w_scale, self.bias):
             with torch._C._AutoDispatchBelowAutograd():  # the op validates its inputs
                 return _ops.int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias, None)
@@ -103,7 +150,9 @@ class W8A8Linear(_Fp32Scales):
         return unpack_weight(self.weight_packed)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        activations = "" if self.activation_scheme == "token" else f", activations={self.activation_scheme}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}" + \
+            activations
 
 
 class W4A8Linear(W8A8Linear):
@@ -127,6 +176,7 @@ class W4A8Linear(W8A8Linear):
         scale = torch.ones(q.shape[0]) if w_scale is None else w_scale
         self.register_buffer("w_scale", _finite_fp32(scale, "w_scale").reshape(-1))
         self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
+        self._register_activations(None, None, True, None)  # int4 layers take dynamic per-token activations only
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
@@ -176,12 +226,12 @@ def _concatenated(parts: List[W8A8Linear]) -> W8A8Linear:
 
 
 def _same_scheme(parts) -> bool:
-    """Whether the layers can be concatenated: one class, one input size, biases alike, and for int4 one group size
-    and symmetry."""
+    """Whether the layers can be concatenated: one class, one input size, biases alike, dynamic per-token activations,
+    and for int4 one group size and symmetry."""
     kinds = {type(p) for p in parts}
     if len(kinds) != 1 or not kinds <= {W8A8Linear, W4A8Linear} or len({p.in_features for p in parts}) != 1 or \
-            len({p.bias is None for p in parts}) != 1:
-        return False
+            len({p.bias is None for p in parts}) != 1 or any(p.activation_scheme != "token" for p in parts):
+        return False  # (the fused ops quantize activations dynamically per token)
     return kinds != {W4A8Linear} or len({(p.group_size, p.int4_weight()[2] is None) for p in parts}) == 1
 
 

@@ -376,3 +376,34 @@ def test_static_activations_refused_where_the_kernels_lack_them(tmp_path):
     with pytest.raises(ValueError, match=re.escape("input_activations") + ".*int4 weights run with int8 dynamic "
                        "per-token symmetric activations only"):
         load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-point"])
+def test_calibrate_static_activations(symmetric):
+    """Each W8A8Linear gets the scale of its input's range over the calibration tokens; on those tokens nothing is
+    clipped, so the logits stay close to the dynamic model's."""
+    pytest.importorskip("safetensors")
+    from w8a8_cpu.llm import calibrate_static_activations
+    model = quantize_model(tiny_llama(), skip=["lm_head"])
+    inputs_seen = {}
+    q_proj = model.model.layers[0].self_attn.q_proj
+    hook = q_proj.register_forward_pre_hook(lambda m, args: inputs_seen.setdefault("x", args[0].detach().clone()))
+    with torch.no_grad():
+        dynamic = model(token_ids()).logits
+    hook.remove()
+    made_static = calibrate_static_activations(model, token_ids(), symmetric=symmetric)
+    assert len(made_static) == 2 * 7 and "model.layers.0.self_attn.q_proj" in made_static
+    x = inputs_seen["x"]
+    if symmetric:
+        assert q_proj.activation_scheme == "tensor"
+        assert float(q_proj.input_scale) == pytest.approx(float(x.abs().max()) / 127, rel=1e-6)
+    else:
+        assert q_proj.activation_scheme == "tensor-asymmetric"
+        scale, zero = float(q_proj.input_scale), int(q_proj.input_zero_point)
+        assert scale == pytest.approx((float(x.max()) - float(x.min())) / 255, rel=1e-6)
+        assert -128 <= round(float(x.min()) / scale) + zero and round(float(x.max()) / scale) + zero <= 127
+    with torch.no_grad():
+        static = model(token_ids()).logits
+    assert (static - dynamic).abs().max() <= 0.05 * dynamic.abs().max()
+    with pytest.raises(ValueError, match="calibration: expected non-empty integer token ids"):
+        calibrate_static_activations(quantize_model(tiny_llama(), skip=["lm_head"]), torch.zeros(2, 3))

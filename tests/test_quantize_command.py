@@ -58,6 +58,13 @@ def test_quantize_command_searches_alpha_and_writes_a_servable_directory(tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "w4" / "model.safetensors.index.json").is_file()
     assert isinstance(load_quantized(tmp_path / "w4").model.layers[1].self_attn.q_proj, W4A8Linear)
+    r = quantize(source, tmp_path / "static", "--activations", "static-asymmetric", "--smoothquant", "none",
+                 "--calibration-tokens", "64", "--held-out-tokens", "64")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "(static-asymmetric activations)" in r.stdout
+    assert "static per-tensor activations with zero points" in (tmp_path / "static" / "README.md").read_text()
+    layers = [m for m in load_quantized(tmp_path / "static").modules() if isinstance(m, W8A8Linear)]
+    assert layers and {m.activation_scheme for m in layers} == {"tensor-asymmetric"}
 
 
 def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):
@@ -84,6 +91,7 @@ def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):
     (["{src}", "{tmp}/out", "--smoothquant", "1.5"], "expected an alpha in [0, 1]"),
     (["{src}", "{tmp}/out", "--max-shard-size", "lots"], "expected a size such as 2GB"),
     (["{src}", "{tmp}/out", "--group-size", "48"], "--group-size 48"),
+    (["{src}", "{tmp}/out", "--scheme", "w4a8", "--activations", "static"], "static activations need --scheme w8a8"),
     (["{src}", "/nonexistent-w8a8-dir/out"], "does not exist"),
     (["{src}", "{tmp}/out", "--calibration", "/nonexistent.txt"], "--calibration /nonexistent.txt: not a file"),
 ])

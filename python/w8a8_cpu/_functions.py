@@ -149,6 +149,14 @@ def check_static_activation_params(input_scale: torch.Tensor, input_zero_point: 
         raise ValueError("input_zero_point: expected one integer in [-128, 127]")
 
 
+def asymmetric_activation_params(low: torch.Tensor, high: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The int8 grid over [low, high] widened to include 0 (so 0 is exact): scale = max((high - low) / 255, 1e-10)
+    fp32 and zero point clamp(-128 - round(low / scale), -128, 127) int32, elementwise."""
+    low, high = low.to(torch.float32).clamp(max=0.0), high.to(torch.float32).clamp(min=0.0)
+    scale = ((high - low) / 255).clamp_min(1e-10)
+    return scale, (-128 - torch.round(low / scale)).clamp(-128, 127).to(torch.int32)
+
+
 def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None,
                          input_zero_point: Optional[torch.Tensor] = None, symmetric: bool = True
                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -175,9 +183,7 @@ def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = 
         raise ValueError(f"x: row {int(bad.nonzero()[0])} contains NaN or Inf (W8A8_CPU_CHECK_FINITE=1)")
     x32 = x32.masked_fill(bad[:, None], 0.0)
     if input_scale is None:
-        low, high = x32.amin(dim=1).clamp(max=0.0), x32.amax(dim=1).clamp(min=0.0)
-        scale = ((high - low) / 255).clamp_min(1e-10)
-        zero_point = (-128 - torch.round(low / scale)).clamp(-128, 127).to(torch.int32)
+        scale, zero_point = asymmetric_activation_params(x32.amin(dim=1), x32.amax(dim=1))
     else:
         scale = input_scale.reshape(1).to(torch.float32).expand(x32.shape[0]).clone()
         zero_point = None if symmetric else input_zero_point.reshape(1).to(torch.int32).expand(x32.shape[0])

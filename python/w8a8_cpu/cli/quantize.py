@@ -3,7 +3,8 @@
 Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
 bundled one, the Apache License 2.0 text), keeps its last --held-out-tokens for the report, runs SmoothQuant on the
 rest (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
-held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float), and writes OUT_DIR:
+held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; --activations static
+gives the W8A8 layers static activation scales from the calibration tokens), and writes OUT_DIR:
 config.json with the compressed-tensors quantization_config, the weights (sharded with --max-shard-size), the
 tokenizer files, generation_config.json, and README.md with what was done and the held-out perplexity before and
 after. Every file is readable by other users. vLLM serves the directory as it is; load_quantized reads it back."""
@@ -26,6 +27,9 @@ from .timing import Progress
 DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("\n", " ")
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "llm" / "data" / "calibration.txt"
 SEARCH_ALPHAS = (0.4, 0.5, 0.6, 0.7, 0.8)
+ACTIVATIONS = {"dynamic": "int8 dynamic per-token activations",
+               "static": "int8 static per-tensor activations (calibrated)",
+               "static-asymmetric": "int8 static per-tensor activations with zero points (calibrated)"}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -62,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compressed-tensors stores)")
     parser.add_argument("--group-size", type=int, default=32, help="W4A8 group size along K (default 32; 0: per "
                         "channel)")
+    parser.add_argument("--activations", choices=ACTIVATIONS, default="dynamic",
+                        help="int8 activations: dynamic per token (default), or static per tensor from the "
+                             "calibration tokens, symmetric or with a zero point (W8A8 only)")
     parser.add_argument("--smoothquant", type=smoothquant_option, default="search", metavar="ALPHA|search|none",
                         help=f"SmoothQuant migration strength, 'search' (default: each of {SEARCH_ALPHAS}, the "
                              f"lowest KL to the float model on the held-out tokens) or 'none'")
@@ -88,6 +95,9 @@ def check_arguments(args, parser) -> None:
         parser.error(f"--calibration {args.calibration}: not a file")
     if args.group_size < 0 or (args.group_size and (args.group_size < 32 or args.group_size & (args.group_size - 1))):
         parser.error(f"--group-size {args.group_size}: expected 0 (per channel) or a power of two >= 32")
+    if args.activations != "dynamic" and args.scheme != "w8a8":
+        parser.error(f"--activations {args.activations}: static activations need --scheme w8a8 (int4 layers quantize "
+                     f"their activations dynamically)")
     if Path(args.out_dir).resolve() == model_dir.resolve():
         parser.error("OUT_DIR must differ from MODEL_DIR (its weight files would be replaced)")
 
@@ -118,6 +128,7 @@ def run(args, parser) -> int:
 
     from w8a8_cpu.llm.checkpoint import save_compressed
     from w8a8_cpu.llm.smoothquant import smooth_quant
+    from w8a8_cpu.llm.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import quantize_model
 
     progress = Progress(5, enabled=not args.no_progress, name="quantize")  # load, smooth + quantize (or the
@@ -138,8 +149,10 @@ def run(args, parser) -> int:
         candidate = copy.deepcopy(model)
         if alpha is not None:
             smooth_quant(candidate, calibration, alpha=alpha)
-        return quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size,
-                              symmetric=True)
+        quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size, symmetric=True)
+        if args.activations != "dynamic":
+            calibrate_static_activations(candidate, calibration, symmetric=args.activations == "static")
+        return candidate
 
     def held_out_scores(candidate: torch.nn.Module) -> Dict[str, dict]:
         return _held_out({"float": model, "quantized": candidate}, held_out)
@@ -170,6 +183,7 @@ def run(args, parser) -> int:
     out = Path(args.out_dir)
     save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
     report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,
+              "activations": args.activations,
               "smoothquant_alpha": alpha, "search": search, "calibration": str(args.calibration),
               "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),
               "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
@@ -189,15 +203,16 @@ def _float_layers(model: torch.nn.Module) -> List[str]:
 def summary(r: dict) -> str:
     alpha = "none" if r["smoothquant_alpha"] is None else f"{r['smoothquant_alpha']}"
     change = 100.0 * (r["quantized_ppl"] / r["float_ppl"] - 1.0)
-    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}, SmoothQuant alpha {alpha}; held-out perplexity "
-            f"{r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL {r['kl']:.4f}, "
+    static = "" if r["activations"] == "dynamic" else f" ({r['activations']} activations)"
+    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}{static}, SmoothQuant alpha {alpha}; held-out "
+            f"perplexity {r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL {r['kl']:.4f}, "
             f"top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; {r['seconds']:.0f} s")
 
 
 def readme(r: dict) -> str:
     lines = [f"# {Path(r['model_dir']).name}, {r['scheme'].upper()} (w8a8-cpu)", "",
-             f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: int8 dynamic per-token "
-             f"activations; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
+             f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: {ACTIVATIONS[r['activations']]}"
+             f"; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
                                          f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric") +
              ". compressed-tensors format: vLLM serves this directory; `w8a8_cpu.llm.load_quantized` reads it.", "",
              f"- SmoothQuant alpha: {'none' if r['smoothquant_alpha'] is None else r['smoothquant_alpha']}"

@@ -4,6 +4,7 @@
     quantize_model(model, skip=["lm_head"])             # w8a8_cpu.nn: Linear -> W8A8Linear, experts -> W8A8Experts
     save_compressed(model, directory)                   # a compressed-tensors int-quantized checkpoint
     model = load_quantized(directory)                   # compressed-tensors int-quantized or sglang w8a8_int8
+    calibrate_static_activations(model, calibration_ids)  # optional: static per-tensor activation scales
 
 Imported lazily: the checkpoint code needs safetensors, which only the llm extra installs."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ _EXPORTS = {
     "smooth_quant": "smoothquant",
     "SmoothingReport": "smoothquant",
     "MAPPINGS": "smoothquant",
+    "calibrate_static_activations": "static_activations",
     "save_compressed": "checkpoint",
     "load_quantized": "checkpoint",
 }

@@ -77,18 +77,18 @@ class W8A8Linear(_Fp32Scales):
         self.register_buffer("weight_packed", pack_weight(w_q.contiguous()))
         self.register_buffer("w_scale", _finite_fp32(w_scale, "w_scale").reshape(-1))
         self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
-        self._register_activations(input_scale, input_zero_point, symmetric_activations, w_q)
+        self.set_activations(input_scale, input_zero_point, symmetric_activations, _w_q=w_q)
 
-    def _register_activations(self, input_scale: Optional[torch.Tensor], input_zero_point: Optional[torch.Tensor],
-                              symmetric: bool, w_q: Optional[torch.Tensor]) -> None:
-        """The activation scheme (activation_scheme): input_scale fp32 [1] when static, input_zero_point int32 [1]
-        when static and asymmetric (both saved with the layer), and for asymmetric activations the weight's channel
-        sums w_sum (int32 [N], derived from the weight, so not saved)."""
+    def set_activations(self, input_scale: Optional[torch.Tensor] = None,
+                        input_zero_point: Optional[torch.Tensor] = None, symmetric: bool = True, *,
+                        _w_q: Optional[torch.Tensor] = None) -> None:
+        """Set how forward quantizes its input (activation_scheme): input_scale fp32 [1] when static,
+        input_zero_point int32 [1] when static and asymmetric (both saved with the layer), and for asymmetric
+        activations the weight's channel sums w_sum (int32 [N], derived from the weight, so not saved)."""
         if not isinstance(symmetric, bool):
             raise ValueError(f"symmetric_activations: expected a bool, got {symmetric!r}")
         if input_scale is not None:
             check_static_activation_params(input_scale, input_zero_point, symmetric)
-            self._fp32_buffers = ("w_scale", "input_scale")
         elif input_zero_point is not None:
             raise ValueError("input_zero_point: given without input_scale (dynamic activations compute their own)")
         if not symmetric and self.in_features > MAX_K_ZERO_POINT:
@@ -99,7 +99,10 @@ class W8A8Linear(_Fp32Scales):
                              input_scale.detach().to(torch.float32).reshape(1).clone())
         self.register_buffer("input_zero_point", None if input_zero_point is None else
                              input_zero_point.detach().to(torch.int32).reshape(1).clone())
-        self.register_buffer("w_sum", None if symmetric else w_q.sum(dim=1, dtype=torch.int32), persistent=False)
+        if not symmetric and _w_q is None:
+            _w_q = self.int8_weight()
+        self.register_buffer("w_sum", None if symmetric else _w_q.sum(dim=1, dtype=torch.int32), persistent=False)
+        self._fp32_buffers = ("w_scale",) if input_scale is None else ("w_scale", "input_scale")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self.input_scale is not None:  # a static scale loaded into a built layer: checked as at construction
@@ -176,7 +179,13 @@ class W4A8Linear(W8A8Linear):
         scale = torch.ones(q.shape[0]) if w_scale is None else w_scale
         self.register_buffer("w_scale", _finite_fp32(scale, "w_scale").reshape(-1))
         self.register_buffer("bias", None if bias is None else _finite_fp32(bias, "bias"))
-        self._register_activations(None, None, True, None)  # int4 layers take dynamic per-token activations only
+        super().set_activations()
+
+    def set_activations(self, input_scale: Optional[torch.Tensor] = None,
+                        input_zero_point: Optional[torch.Tensor] = None, symmetric: bool = True, **_) -> None:
+        if input_scale is not None or input_zero_point is not None or symmetric is not True:
+            raise ValueError("W4A8Linear takes dynamic per-token symmetric activations only (the int4 ops quantize "
+                             "them); static or asymmetric activations need int8 weights (W8A8Linear)")
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,

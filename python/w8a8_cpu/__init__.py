@@ -8,9 +8,9 @@ W4A8 (int4 weights in groups along K): each group's int32 products exact, the gr
 order (t += float(acc_g) * scale_g, t += float(sum_g x_q) * min_g), out = t * (x_scale * w_scale) + bias.
 """
 from ._functions import (dequantized_weight, fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm,
-                         int8_scaled_mm, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, pack_weight_int4,
-                         packed_rows, per_token_quant_int8, quantize_weight, quantize_weight_int4, scale_accumulators,
-                         unpack_weight, use_variant)
+                         int8_scaled_mm, int8_scaled_mm_with_quant, pack_experts_int4, pack_moe_weights, pack_weight,
+                         pack_weight_int4, packed_rows, per_token_quant_int8, quantize_weight, quantize_weight_int4,
+                         scale_accumulators, unpack_weight, use_variant)
 from . import _autograd, _fake, nn
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "quantize_weight",
     "quantize_weight_int4",
     "pack_moe_weights",
+    "pack_experts_int4",
     "fused_experts",
     "nn",
 ]

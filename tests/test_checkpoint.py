@@ -853,6 +853,16 @@ def test_w4a8_experts_round_trip_is_bit_identical(arch, symmetric, tmp_path):
     experts = [m for m in loaded.modules() if isinstance(m, W4A8Experts)]
     assert len(experts) == 2
     assert torch.equal(logits(loaded), logits(model))
+    # one expert layer of another group size: the module is not wholly one int4 kind
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    layer = f"model.layers.0.{block.replace('.3.', '.1.')}"
+    groups["group_1"]["targets"].remove(layer)
+    groups["group_2"] = {**groups["group_1"], "targets": [layer],
+                         "weights": {**groups["group_1"]["weights"], "group_size": 64}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="experts of model.layers.0.* are partly int4, or int4 of several group sizes"):
+        load_quantized(tmp_path / "q")
     model = quantize_model(float_model(arch), skip=lambda name, module: isinstance(module, torch.nn.Linear),
                            scheme="w4a8", symmetric=False, min_max=True)  # the experts alone
     with pytest.raises(ValueError, match=r"model.layers.0.\S*experts \(expert 0\) holds int4 weights whose per-group "

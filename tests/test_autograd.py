@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import w8a8_cpu
-from test_moe import make_moe
+from test_moe import make_int4_moe, make_moe
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.library, "register_autograd"),
                                 reason=f"autograd formulas need torch >= 2.4 (this is torch {torch.__version__})")
@@ -104,19 +104,26 @@ def test_no_grad_inputs_give_outputs_without_grad(gen):
 
 # ---- fused_experts / W8A8MoE -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("packed", [False, True], ids=["raw", "packed"])
+@pytest.mark.parametrize("experts", ["raw", "packed", "int4"])
 @pytest.mark.parametrize("on_input,topk", [(False, 2), (True, 1)], ids=["weight-on-output", "weight-on-input"])
-def test_fused_experts_grads_match_float_moe(on_input, topk, packed, gen):
-    a = make_moe(6, 64, 32, 4, topk, gen, dtype=torch.float32)
+def test_fused_experts_grads_match_float_moe(on_input, topk, experts, gen):
+    """int4 experts: the float MoE on their dequantized weights ((scale * q + min) * channel scale)."""
+    if experts == "int4":
+        a = make_int4_moe(6, 64, 32, 4, topk, gen, 32, "zero_point", dtype=torch.float32)
+        w13, w2 = a["w13"], a["w2"]
+        float_w13, float_w2 = (torch.stack([w8a8_cpu.dequantized_weight(b, s) for b, s in zip(a[w], a[f"{w}_scale"])])
+                               for w in ("w13", "w2"))
+    else:
+        a = make_moe(6, 64, 32, 4, topk, gen, dtype=torch.float32)
+        w13, w2 = w8a8_cpu.pack_moe_weights(a["w13"], a["w2"]) if experts == "packed" else (a["w13"], a["w2"])
+        float_w13, float_w2 = dequantized(a["w13"], a["w13_scale"]), dequantized(a["w2"], a["w2_scale"])
     hidden, weights = a["hidden"].requires_grad_(), a["topk_weights"].requires_grad_()
-    w13, w2 = w8a8_cpu.pack_moe_weights(a["w13"], a["w2"]) if packed else (a["w13"], a["w2"])
     out = w8a8_cpu.fused_experts(hidden, w13, w2, weights, a["topk_ids"], a["w13_scale"], a["w2_scale"], "silu",
                                  on_input)
     grad_out = torch.randn(out.shape, generator=gen)
     out.backward(grad_out)
     hidden_f, weights_f = hidden.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
-    float_moe(hidden_f, dequantized(a["w13"], a["w13_scale"]), dequantized(a["w2"], a["w2_scale"]), weights_f,
-              a["topk_ids"], on_input).backward(grad_out)
+    float_moe(hidden_f, float_w13, float_w2, weights_f, a["topk_ids"], on_input).backward(grad_out)
     torch.testing.assert_close(hidden.grad, hidden_f.grad, **FP32_TOL)
     torch.testing.assert_close(weights.grad, weights_f.grad, **FP32_TOL)
 

@@ -837,6 +837,40 @@ def test_w4a8_zero_points_round_trip_and_min_max_is_refused(tmp_path):
         save_compressed(model, tmp_path / "mm")
 
 
+@pytest.mark.parametrize("arch,symmetric", [("mixtral", True), ("qwen3_moe", False)])
+def test_w4a8_experts_round_trip_is_bit_identical(arch, symmetric, tmp_path):
+    """W4A8Experts are written per expert as pack-quantized layers (the per-expert names, as int4 Linear layers are)
+    and load back as W4A8Experts with the same int4 values: the logits are bit-identical. min_max experts are
+    refused, naming the expert."""
+    from w8a8_cpu.nn import W4A8Experts
+
+    model = quantize_model(float_model(arch), skip=SKIP, scheme="w4a8", group_size=32, symmetric=symmetric)
+    save_compressed(model, tmp_path / "q", max_shard_bytes=SHARD_BYTES)
+    block = "block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj"
+    files = stored(tmp_path / "q")
+    assert files[f"model.layers.1.{block}.weight_packed"].dtype == torch.int32
+    assert (f"model.layers.1.{block}.weight_zero_point" in files) == (not symmetric)
+    loaded = load_quantized(tmp_path / "q")
+    experts = [m for m in loaded.modules() if isinstance(m, W4A8Experts)]
+    assert len(experts) == 2
+    assert torch.equal(logits(loaded), logits(model))
+    # one expert layer of another group size: the module is not wholly one int4 kind
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    layer = f"model.layers.0.{block.replace('.3.', '.1.')}"
+    groups["group_1"]["targets"].remove(layer)
+    groups["group_2"] = {**groups["group_1"], "targets": [layer],
+                         "weights": {**groups["group_1"]["weights"], "group_size": 64}}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="experts of model.layers.0.* are partly int4, or int4 of several group sizes"):
+        load_quantized(tmp_path / "q")
+    model = quantize_model(float_model(arch), skip=lambda name, module: isinstance(module, torch.nn.Linear),
+                           scheme="w4a8", symmetric=False, min_max=True)  # the experts alone
+    with pytest.raises(ValueError, match=r"model.layers.0.\S*experts \(expert 0\) holds int4 weights whose per-group "
+                                         r"minimums are not integer zero points"):
+        save_compressed(model, tmp_path / "mm")
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_compressed_tensors_written_int4_checkpoint_loads(symmetric, tmp_path):
     """A W4A8 checkpoint written by the compressed-tensors library itself (int4 groups of 32, symmetric or with

@@ -1,4 +1,5 @@
-"""Fused W8A8 MoE against a per-expert torch loop with the same math, every runnable variant."""
+"""Fused W8A8 / W4A8 MoE against a per-expert torch loop with the same math (the reference: exact, bit for bit),
+every runnable variant."""
 import pytest
 import torch
 
@@ -29,13 +30,11 @@ def run(args, **over):
 
 
 def assert_matches_reference(got, args, on_input=False):
-    want = reference.fused_experts(args["hidden"], args["w13"], args["w2"], args["topk_weights"], args["topk_ids"],
-                                   args["w13_scale"], args["w2_scale"], on_input)
+    """The reference computes the op's math operation for operation (its SiLU too): equal bit for bit."""
+    want = reference.fused_experts(args["hidden"], args.get("ref_w13", args["w13"]), args.get("ref_w2", args["w2"]),
+                                   args["topk_weights"], args["topk_ids"], args["w13_scale"], args["w2_scale"], on_input)
     assert got.dtype == args["hidden"].dtype and got.shape == args["hidden"].shape
-    # Only the SiLU differs (ours is a polynomial exp); a flip of one re-quantized int8 moves an output by at most
-    # one activation step. sglang's bf16 tolerance is 1e-2 relative.
-    scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * scale)
+    assert torch.equal(got, want)
 
 
 CASES = [  # m, h, inter, experts, topk, ids dtype, skew
@@ -74,8 +73,10 @@ def test_fused_experts_router_weight_on_input(variant, gen):
     assert_matches_reference(run(args, on_input=True), args, on_input=True)
 
 
-def test_fused_experts_bit_identical_across_variants_and_threads(gen):
-    args = make_moe(40, 256, 128, 16, 4, gen)
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_fused_experts_bit_identical_across_variants_and_threads(weights, gen):
+    args = make_moe(40, 256, 128, 16, 4, gen) if weights == "int8" else \
+        make_int4_moe(40, 256, 128, 16, 4, gen, 64, "min_max")
     outputs = []
     for name in w8a8_cpu.info()["runnable_variants"]:
         with w8a8_cpu.use_variant(name):
@@ -101,7 +102,8 @@ def test_fused_experts_empty_m(variant, gen):
 def test_fused_experts_opcheck(gen):
     args = make_moe(5, 64, 32, 4, 2, gen)
     w13_p, w2_p = w8a8_cpu.pack_moe_weights(args["w13"], args["w2"])
-    for a in [args, {**args, "w13": w13_p, "w2": w2_p}]:
+    int4 = make_int4_moe(5, 64, 32, 4, 2, gen, 32, "zero_point")
+    for a in [args, {**args, "w13": w13_p, "w2": w2_p}, int4]:
         torch.library.opcheck(torch.ops.w8a8_cpu.fused_experts.default,
                               (a["hidden"], a["w13"], a["w2"], a["topk_weights"], a["topk_ids"], a["w13_scale"],
                                a["w2_scale"]))
@@ -126,6 +128,90 @@ def test_w8a8_moe_module_and_compile(gen):
     assert (y - want).norm() / want.norm() < 0.03
     compiled = torch.compile(moe, fullgraph=True)
     torch.testing.assert_close(compiled(x, logits), y)  # inductor's softmax may round the router weights differently
+
+
+def quantize_experts_int4(w, group_size, form):
+    """Float experts [E, N, K] -> (the int4 experts as reference.fused_experts takes them, pack_experts_int4's blobs):
+    form "symmetric", "zero_point" (asymmetric with an integer zero point) or "min_max"."""
+    e, n, k = w.shape
+    q, scale, minimum = w8a8_cpu.quantize_weight_int4(w.reshape(e * n, k), group_size, form == "symmetric",
+                                                      form == "min_max")
+    q, scale = q.reshape(e, n, k), scale.reshape(e, n, -1)
+    minimum = None if minimum is None else minimum.reshape(e, n, -1)
+    return (q, scale, minimum, group_size), w8a8_cpu.pack_experts_int4(q, scale, minimum, group_size)
+
+
+def make_int4_moe(m, h, inter, experts, topk, gen, group_size=32, form="symmetric", dtype=torch.bfloat16,
+                  skew=False, channel_scales=True):
+    """make_moe's routing with int4 experts (float weights quantized per group); the channel scales [E, N] that
+    multiply on top random around 1, or ones (plain W4A8)."""
+    args = make_moe(m, h, inter, experts, topk, gen, dtype=dtype, skew=skew)
+    for name, shape in (("w13", (experts, 2 * inter, h)), ("w2", (experts, h, inter))):
+        args[f"ref_{name}"], args[name] = quantize_experts_int4(torch.randn(*shape, generator=gen) * 0.05, group_size,
+                                                                form)
+        channels = shape[:2]
+        args[f"{name}_scale"] = (torch.rand(*channels, generator=gen) + 0.5 if channel_scales else
+                                 torch.ones(*channels))
+    return args
+
+
+INT4_FORMS = [(32, "symmetric"), (64, "zero_point"), (128, "min_max"), (0, "symmetric"), (0, "zero_point"),
+              (32, "min_max")]
+
+
+@pytest.mark.parametrize("group_size,form", INT4_FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_fused_experts_equal_the_reference(variant, group_size, form, dtype, gen):
+    """H = 200 and I = 72 are not multiples of the groups: the last group of each row is partial (K padded)."""
+    args = make_int4_moe(19, 200, 72, 8, 2, gen, group_size, form, dtype)
+    assert_matches_reference(run(args), args)
+    plain = make_int4_moe(6, 128, 64, 4, 2, gen, group_size, form, dtype, channel_scales=False)
+    assert_matches_reference(run(plain), plain)
+
+
+@pytest.mark.parametrize("on_input", [False, True])
+def test_int4_fused_experts_router_weight_and_idle_experts(variant, on_input, gen):
+    """Both router-weight conventions; experts no token is routed to (all tokens on experts 0..topk-1: the others
+    idle), and no tokens at all."""
+    topk = 1 if on_input else 3
+    for skew in (False, True):
+        args = make_int4_moe(23, 96, 64, 6, topk, gen, 32, "zero_point", skew=skew)
+        assert_matches_reference(run(args, on_input=on_input), args, on_input)
+    empty = make_int4_moe(0, 64, 32, 4, topk, gen)
+    assert run(empty, on_input=on_input).shape == (0, 64)
+
+
+def test_int4_and_int8_projections_mix(gen):
+    """w13 int4 and w2 int8 (or the other way round): each projection runs its own scheme."""
+    args = make_int4_moe(11, 96, 64, 4, 2, gen, 32, "symmetric")
+    int8 = make_moe(11, 96, 64, 4, 2, gen)
+    for over in ({"w2": int8["w2"], "ref_w2": int8["w2"]}, {"w13": int8["w13"], "ref_w13": int8["w13"]}):
+        mixed = {**args, **over}
+        assert_matches_reference(run(mixed), mixed)
+
+
+def test_int4_bad_expert_blobs_are_refused(gen):
+    args = make_int4_moe(5, 64, 32, 4, 2, gen, 64, "symmetric")
+    corrupt = args["w13"].clone()
+    corrupt[2, 100] ^= 1
+    with pytest.raises(ValueError, match=r"w13 \(expert 2\).*checksum"):
+        run(args, w13=corrupt)
+    # per channel and groups of 64 over H = 64 give blobs of one size, but not one format: refused, not mixed
+    per_channel = make_int4_moe(5, 64, 32, 4, 2, gen, 0, "symmetric")["w13"]
+    mixed = torch.cat([args["w13"][:2], per_channel[2:]])
+    with pytest.raises(ValueError, match="w13: expert 2 is packed in another layout or weight format"):
+        run(args, w13=mixed)
+    with pytest.raises(ValueError, match=r"w2: expert 0 was packed with shape \[64, 64\], expected \[64, 32\]"):
+        run(args, w2=args["w13"])
+    with pytest.raises(ValueError, match="w13: 1-D uint8 tensor is not a packed"):
+        run(args, w13=torch.zeros_like(args["w13"]))
+    q, scale, _, _ = args["ref_w13"]
+    with pytest.raises(ValueError, match=r"q: expected a non-empty int8 \[E, N, K\]"):
+        w8a8_cpu.pack_experts_int4(q[0], scale[0])
+    with pytest.raises(ValueError, match=r"scale: expected \[4, N, groups\]"):
+        w8a8_cpu.pack_experts_int4(q, scale[:3], None, 64)
+    with pytest.raises(ValueError, match=r"int4 weights must lie in \[-8, 7\]"):
+        w8a8_cpu.pack_experts_int4(q * 2, scale, None, 64)
 
 
 BAD = [

@@ -153,6 +153,25 @@ int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded) {
   return (lines | 1) * kAlign;
 }
 
+const MicroKernel& a_packer_for(const MicroKernel& kernel, const PackedWeightView& w) {
+  return w.int4() && kernel.int4_tile ? kRefKernel : kernel;
+}
+
+int64_t packed_a_stride(const MicroKernel& kernel, const PackedWeightView& w) {
+  return packed_a_stride(a_packer_for(kernel, w), w.header.k_padded);
+}
+
+int64_t a_group_sums_nbytes(const PackedWeightView& w, int64_t m) { return w.int4() ? m * w.groups * 4 : 0; }
+
+void int4_group_sums(const int8_t* row, const PackedWeightView& w, int32_t* sums) {
+  const int64_t k = w.header.k;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    int32_t sum = 0;
+    for (int64_t kk = g * w.group; kk < std::min(k, (g + 1) * w.group); ++kk) sum += row[kk];
+    sums[g] = sum;
+  }
+}
+
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for) {
   const int64_t stride = packed_a_stride(kernel, k_padded);
@@ -305,26 +324,17 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   if (m == 0) return -1;
   // Quantize and pack each row in one pass (one region; none for decode-sized m), then the GEMM's region. int4
   // weights: A's sums per group too, and plain int8 rows (the reference packing) for a variant's int4 tile.
-  const int64_t groups = w.int4() ? w.groups : 0;
-  const MicroKernel& a_packer = w.int4() && kernel.int4_tile ? kRefKernel : kernel;
   auto* q = static_cast<int8_t*>(scratch);
   auto* sums = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign));
-  auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(m * groups * 4, kAlign);
-  const int64_t a_stride = packed_a_stride(a_packer, h.k_padded);
+  auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(a_group_sums_nbytes(w, m), kAlign);
   std::atomic<int64_t> first_bad{m};
   dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
     quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, first_bad);
-    pack_rows_via(a_packer, r0, r1, [&](int64_t r) { return q + r * h.k; }, h.k, h.k_padded, a_packed, a_stride);
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = 0;
-        for (int64_t kk = g * w.group; kk < std::min(h.k, (g + 1) * w.group); ++kk) sum += q[r * h.k + kk];
-        sums[r * groups + g] = sum;
-      }
+    prepare_rows_for(kernel, w, r0, r1, [&](int64_t r) { return q + r * h.k; }, a_packed, sums);
   });
   o.a_scales = a_scales_out;
   o.a_group_sums = sums;
-  gemm_packed(kernel, a_packed, a_stride, m, w, o, parallel_for);
+  gemm_packed(kernel, a_packed, packed_a_stride(kernel, w), m, w, o, parallel_for);
   return first_bad_row(first_bad, m);
 }
 

@@ -44,6 +44,29 @@ void pack_rows_via(const MicroKernel& kernel, int64_t r0, int64_t r1, RowAt row_
 
 // A rows packed for `kernel` (pack_a_rows) lie packed_a_stride bytes apart.
 int64_t packed_a_stride(const MicroKernel& kernel, int64_t k_padded);
+
+// The variant that packs A for w: plain int8 rows (the reference packing) where w holds int4 weights and the variant
+// has an int4 tile (it reads plain rows), else the variant itself.
+const MicroKernel& a_packer_for(const MicroKernel& kernel, const PackedWeightView& w);
+// The stride of A's rows packed for w (a_packer_for), and the bytes of their int4 group sums (0 for int8 weights).
+int64_t packed_a_stride(const MicroKernel& kernel, const PackedWeightView& w);
+int64_t a_group_sums_nbytes(const PackedWeightView& w, int64_t m);
+
+// Sums of one int8 row (w.header.k elements) over each of int4 weight w's scale groups into sums [w.groups]: the
+// activations' side of the minimums' term (GemmOutput::a_group_sums).
+void int4_group_sums(const int8_t* row, const PackedWeightView& w, int32_t* sums);
+
+// A's rows [r0, r1) for w, row r read from row_at(r) (w.header.k int8): packed by a_packer_for(kernel, w) to
+// dst + r * packed_a_stride(kernel, w), and for int4 weights their group sums to group_sums + r * w.groups. Every
+// driver prepares A through this, so int8 and int4 weights run the same GEMM (compute_panel_rows) after it.
+template <typename RowAt>
+void prepare_rows_for(const MicroKernel& kernel, const PackedWeightView& w, int64_t r0, int64_t r1, RowAt row_at,
+                      uint8_t* dst, int32_t* group_sums) {
+  pack_rows_via(a_packer_for(kernel, w), r0, r1, row_at, w.header.k, w.header.k_padded, dst,
+                packed_a_stride(kernel, w));
+  if (w.int4())
+    for (int64_t r = r0; r < r1; ++r) int4_group_sums(row_at(r), w, group_sums + r * w.groups);
+}
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for);
 

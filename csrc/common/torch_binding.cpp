@@ -534,7 +534,8 @@ at::Tensor int8_gated_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w,
 }
 
 // Per-expert packed views of an MoE weight: raw int8 [E, n, k] (packed here into `storage` for this call)
-// or the output of pack_moe_weights, uint8 [E, bytes] with one packed blob per expert.
+// or the output of pack_moe_weights / pack_experts_int4, uint8 [E, bytes] with one packed blob per expert (int8 or
+// int4 weights; the driver checks that the experts share one format).
 std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts, int64_t n, int64_t k, const char* arg,
                                            at::Tensor& storage) {
   check_cpu(w, arg);
@@ -552,7 +553,8 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
   } else {
     TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) == experts, arg,
                       ": expected a raw int8 [", experts, ", ", n, ", ", k,
-                      "] weight or packed experts (uint8 [E, bytes] from pack_moe_weights), got dtype ",
+                      "] weight or packed experts (uint8 [E, bytes] from pack_moe_weights or pack_experts_int4), "
+                      "got dtype ",
                       w.scalar_type(), " and shape ", w.sizes());
     TORCH_CHECK_VALUE(w.is_contiguous(), arg, ": packed experts must be contiguous");
     storage = w;
@@ -563,8 +565,6 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
       return view_packed_weight(storage.data_ptr<uint8_t>() + e * storage.size(1), storage.size(1), arg);
     }));
     const PackedWeightHeader& h = views.back().header;
-    TORCH_CHECK_VALUE(!views.back().int4(), arg, ": expert ", e, " holds int4 weights; "
-                      "fused_experts takes int8 experts (pack_moe_weights)");
     TORCH_CHECK_VALUE(h.n == n && h.k == k, arg, ": expert ", e, " was packed with shape [", h.n, ", ", h.k,
                       "], expected [", n, ", ", k, "]");
     // The driver packs A once for all experts, so every expert must share one panel layout.

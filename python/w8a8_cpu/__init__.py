@@ -10,9 +10,9 @@ Static / asymmetric activations (checkpoints that carry them): quantize_activati
 -128, 127); out = float32(x_q @ w.T - zp * sum_k w, exact int32) * (s * w_scale) + bias.
 """
 from ._functions import (dequantized_weight, fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm,
-                         int8_scaled_mm, int8_scaled_mm_with_quant, pack_moe_weights, pack_weight, pack_weight_int4,
-                         packed_rows, per_token_quant_int8, quantize_activations, quantize_weight, quantize_weight_int4,
-                         scale_accumulators, unpack_weight, use_variant)
+                         int8_scaled_mm, int8_scaled_mm_with_quant, pack_experts_int4, pack_moe_weights, pack_weight,
+                         pack_weight_int4, packed_rows, per_token_quant_int8, quantize_activations, quantize_weight,
+                         quantize_weight_int4, scale_accumulators, unpack_weight, use_variant)
 from . import _autograd, _fake, nn
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "quantize_weight",
     "quantize_weight_int4",
     "pack_moe_weights",
+    "pack_experts_int4",
     "fused_experts",
     "nn",
 ]

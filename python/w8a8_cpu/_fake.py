@@ -116,7 +116,8 @@ def _check_expert_weight(w, experts, n, k, arg):  # expert_views
         return
     if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != experts:
         raise ValueError(f"{arg}: expected a raw int8 [{experts}, {n}, {k}] weight or packed experts (uint8 [E, bytes] "
-                         f"from pack_moe_weights), got dtype {w.dtype} and shape {list(w.shape)}")
+                         f"from pack_moe_weights or pack_experts_int4), got dtype {w.dtype} and shape "
+                         f"{list(w.shape)}")
     if not w.is_contiguous():
         raise ValueError(f"{arg}: packed experts must be contiguous")
     _check_blob_length(w.shape[1], arg)

@@ -337,6 +337,23 @@ def pack_moe_weights(w13: torch.Tensor, w2: torch.Tensor) -> Tuple[torch.Tensor,
             torch.stack([ops.pack_weight(w) for w in w2.contiguous()]))
 
 
+def pack_experts_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None,
+                      group_size: int = 32) -> torch.Tensor:
+    """pack_weight_int4 for MoE experts: q int8 [E, N, K] in [-8, 7], scale fp32 [E, N, groups], minimum None or fp32
+    [E, N, groups] (quantize_weight_int4's output per expert, e.g. of w.reshape(E * N, K) reshaped back) -> uint8
+    [E, bytes], one W4A8 blob per expert, that fused_experts takes in place of int8 experts (pack w13 and w2 each
+    so; their w13_scale / w2_scale [E, N] then multiply on top, ones for plain W4A8)."""
+    _require_tensors(q=q, scale=scale)
+    if q.dim() != 3 or q.shape[0] == 0:
+        raise ValueError(f"q: expected a non-empty int8 [E, N, K] tensor, got {q.dtype} {tuple(q.shape)}")
+    for name, t in (("scale", scale), ("minimum", minimum)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != q.shape[0]):
+            raise ValueError(f"{name}: expected [{q.shape[0]}, N, groups] (one row of group values per expert), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    return torch.stack([pack_weight_int4(q[e], scale[e], None if minimum is None else minimum[e], group_size)
+                        for e in range(q.shape[0])])
+
+
 def fused_experts(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -348,7 +365,7 @@ def fused_experts(
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """Fused W8A8 MoE (sglang's CPU W8A8 semantics) -> [M, H] in hidden's dtype.
+    """Fused W8A8 / W4A8 MoE (sglang's CPU W8A8 semantics) -> [M, H] in hidden's dtype.
 
     hidden [M, H] float; w13 int8 [E, 2I, H] (gate rows, then up rows) and w2 int8 [E, H, I], raw or from
     pack_moe_weights; topk_weights [M, topk] float; topk_ids [M, topk] int32/int64 in [0, E);
@@ -357,8 +374,13 @@ def fused_experts(
     with w2, out[token] += topk_weight * down (slots summed in order), one cast at the end.
     apply_router_weight_on_input (topk == 1 only) scales the input by the weight instead of the output.
 
+    W4A8 experts: w13 and/or w2 from pack_experts_int4 (int4 weights with their group scales and minimums in each
+    expert's blob; the experts of one projection packed alike); each projection is then int8_scaled_mm_with_quant's
+    W4A8 GEMM (exact int32 per group, the fixed fp32 group order) with w13_scale / w2_scale on top (ones for plain
+    W4A8); the routing, SiLU and combine are the same.
+
     Differentiable w.r.t. hidden and topk_weights (torch >= 2.4), straight-through: the gradient of the same MoE
-    computed in fp32 with the dequantized experts (w_int8 * w_scale), as if neither the input nor the SiLU-gated
+    computed in fp32 with the dequantized experts (dequantized_weight), as if neither the input nor the SiLU-gated
     activations were rounded to int8. It is recomputed expert by expert in backward (slower than the forward);
     weights and scales are frozen: one that requires grad makes backward raise ValueError naming it."""
     _require_tensors(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,

@@ -45,24 +45,59 @@ def int8_scaled_mm_fp64(x_q, w_q, x_scale, w_scale, bias=None) -> torch.Tensor:
     return out if bias is None else out + bias.double()
 
 
+def _f32(v: float) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The ops' silu(gate) * up in fp32, operation for operation (csrc/common/gemm_driver.cpp, exp_poly and silu_mul):
+    gate / (1 + exp(-gate)) * up with exp by a degree-6 polynomial and 2^n from the exponent bits. Each torch op on
+    fp32 tensors rounds once, as the kernels' plain IEEE operations (no FMA contraction) do."""
+    x = (-gate).clamp(-87.0, 88.0)
+    magic = _f32(12582912.0)
+    n = (x * _f32(1.44269504) + magic) - magic
+    r = (x - n * _f32(0.693145752)) - n * _f32(1.42860677e-6)
+    one = _f32(1.0)
+    p = one / _f32(720.0)
+    for divisor in (120.0, 24.0, 6.0, 2.0):
+        p = p * r + one / _f32(divisor)
+    p = p * r + one
+    p = p * r + one
+    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return gate / (one + p * two_n) * up
+
+
+def _expert_mm(x_q, x_scale, w, e, w_scale):
+    """Expert e's projection: int8_scaled_mm of int8 experts w [E, N, K], or int4_scaled_mm of int4 experts w = (q [E,
+    N, K], group scales [E, N, groups], group minimums [E, N, groups] or None, group size)."""
+    if isinstance(w, torch.Tensor):
+        return int8_scaled_mm(x_q, w[e], x_scale, w_scale)
+    q, group_scale, group_min, group_size = w
+    return int4_scaled_mm(x_q, q[e], x_scale, w_scale, group_scale[e], None if group_min is None else group_min[e],
+                          group_size)
+
+
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, apply_router_weight_on_input=False):
-    """Per-expert loop with the op's math in torch (fp32 stages, exact integer matmuls, torch's silu)."""
+    """The op's exact result by a per-expert loop in torch (fp32 stages, exact integer matmuls, the ops' SiLU, the
+    slots added in order). w13 / w2: int8 experts [E, N, K], or int4 experts (q, group scales, group minimums or None,
+    group size) as _expert_mm takes them."""
     m, h = hidden.shape
-    inter = w13.shape[1] // 2
+    inter = w13_scale.shape[1] // 2
     x = hidden.float()
     weights = topk_weights.float()
     if apply_router_weight_on_input:
         x, weights = x * weights, torch.ones_like(weights)
     x_q, x_scale = per_token_quant_int8(x)
-    out = torch.zeros(m, h, dtype=torch.float32)
     ids = topk_ids.long()
+    down = torch.zeros(m, ids.shape[1], h, dtype=torch.float32)
     for e in ids.unique().tolist():
         tokens, slots = (ids == e).nonzero(as_tuple=True)
-        gate_up = int8_scaled_mm(x_q[tokens], w13[e], x_scale[tokens], w13_scale[e].reshape(-1))
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        a_q, a_scale = per_token_quant_int8(act)
-        down = int8_scaled_mm(a_q, w2[e], a_scale, w2_scale[e].reshape(-1))
-        out.index_add_(0, tokens, weights[tokens, slots][:, None] * down)
+        gate_up = _expert_mm(x_q[tokens], x_scale[tokens], w13, e, w13_scale[e].reshape(-1))
+        a_q, a_scale = per_token_quant_int8(silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
+        down[tokens, slots] = _expert_mm(a_q, a_scale, w2, e, w2_scale[e].reshape(-1))
+    out = torch.zeros(m, h, dtype=torch.float32)
+    for k in range(ids.shape[1]):
+        out = out + weights[:, k:k + 1] * down[:, k]
     return out.to(hidden.dtype)
 
 

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from .._files import read_json_object
 from .._functions import check_static_activation_params
-from ..nn import (W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, W8A8MoE,
-                  _expert_weights,
+from ..nn import (W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice,
+                  W8A8MoE, _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
 
 PathLike = Union[str, Path]
@@ -232,36 +232,49 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
         if bias is not None:
             tensors[f"{prefix}.bias"] = bias.clone()
 
-    def layer(name: str, module: W8A8Linear) -> None:
-        """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones (symmetric, or minimums that
-        are integer zero points: -scale * z, z in [-8, 7])."""
-        if not isinstance(module, W4A8Linear):
-            linear(name, module.int8_weight(), module.w_scale, module.bias)
-            activations = ActivationArgs(module.input_scale is not None, module.symmetric_activations)
-            if activations != DYNAMIC_TOKEN:
-                prefix = naming.checkpoint_name(name)
-                activation_layers[prefix] = activations
-                for key in ("input_scale", "input_zero_point"):  # compressed-tensors' dtypes: fp32 [1], int8 [1]
-                    value = getattr(module, key)
-                    if value is not None:
-                        tensors[f"{prefix}.{key}"] = value.to(torch.int8 if key == "input_zero_point" else torch.float32)
-            return
-        prefix = naming.checkpoint_name(name)
-        q, scale, minimum, group = module.int4_weight()
+    def int4(prefix: str, where: str, q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
+             group: int, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """int4 values (a W4A8Linear's, or one expert projection's) as pack-quantized tensors under `prefix`:
+        symmetric, or minimums that are integer zero points (-scale * z, z in [-8, 7]); `where` names the module."""
         zero = None if minimum is None else torch.round(-minimum / scale).clamp(-8, 7)
         if (zero is not None and not torch.equal(-scale * zero, minimum)) or \
-                not torch.equal(module.w_scale, torch.ones_like(module.w_scale)):
-            raise ValueError(f"model: {name} is a W4A8Linear whose per-group minimums are not integer zero points "
-                             f"(min_max rounding) or that has channel scales, which compressed-tensors' int4 format "
+                not torch.equal(w_scale, torch.ones_like(w_scale)):
+            raise ValueError(f"model: {where} holds int4 weights whose per-group minimums are not integer zero points "
+                             f"(min_max rounding) or that have channel scales, which compressed-tensors' int4 format "
                              f"cannot hold exactly; quantize without min_max to save it")
         if zero is not None:  # packed 8 per int32 along the channels, as compressed-tensors packs zero points
             tensors[f"{prefix}.weight_zero_point"] = _pack_int4_rows(zero.to(torch.int8).T.contiguous()).T.contiguous()
         tensors[f"{prefix}.weight_packed"] = _pack_int4_rows(q)
         tensors[f"{prefix}.weight_scale"] = scale.clone()
         tensors[f"{prefix}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
-        if module.bias is not None:
-            tensors[f"{prefix}.bias"] = module.bias.clone()
+        if bias is not None:
+            tensors[f"{prefix}.bias"] = bias.clone()
         int4_layers[prefix] = (group, zero is None)
+
+    def layer(name: str, module: W8A8Linear) -> None:
+        """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones."""
+        if isinstance(module, W4A8Linear):
+            return int4(naming.checkpoint_name(name), name, *module.int4_weight(), module.w_scale, module.bias)
+        linear(name, module.int8_weight(), module.w_scale, module.bias)
+        activations = ActivationArgs(module.input_scale is not None, module.symmetric_activations)
+        if activations != DYNAMIC_TOKEN:
+            prefix = naming.checkpoint_name(name)
+            activation_layers[prefix] = activations
+            for key in ("input_scale", "input_zero_point"):  # compressed-tensors' dtypes: fp32 [1], int8 [1]
+                value = getattr(module, key)
+                if value is not None:
+                    tensors[f"{prefix}.{key}"] = value.to(torch.int8 if key == "input_zero_point" else torch.float32)
+
+    def int4_experts(name: str, module: W4A8Experts) -> None:
+        """Each expert's gate, up and down projections as pack-quantized layers (the per-expert names)."""
+        inter = module.intermediate_dim
+        w13, w2 = module.int4_weights()
+        for e, names in enumerate(naming.expert_linears(name, module.num_experts)):
+            parts = ((w13, module.w13_scale, slice(0, inter)), (w13, module.w13_scale, slice(inter, 2 * inter)),
+                     (w2, module.w2_scale, slice(None)))
+            for prefix, ((q, scale, minimum, group), w_scale, rows) in zip(names, parts):
+                int4(prefix, f"{name} (expert {e})", q[e, rows], scale[e, rows],
+                     None if minimum is None else minimum[e, rows], group, w_scale[e, rows])
 
     # an int8 embedding is written as floats (what every reader takes for an embedding), and an lm_head reading the
     # same int8 table as the tied float lm_head that it stands for: not written, float in the config
@@ -287,6 +300,8 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
         elif isinstance(module, W8A8GatedMLP):  # written as gate_proj / up_proj; down_proj is a W8A8Linear child
             for part, projection in module.projections().items():
                 layer(f"{name}.{part}", projection)
+        elif isinstance(module, W4A8Experts):
+            int4_experts(name, module)
         elif isinstance(module, W8A8Experts):
             names = naming.expert_linears(name, module.num_experts)
             tensors.update(_expert_tensors(names, *module.int8_weights(), module.w13_scale, module.w2_scale))
@@ -367,7 +382,8 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     included). Quantized layers are stored as `<layer>.weight` int8 [N, K] and `<layer>.weight_scale` fp32 [N, 1];
     everything else in the model's float dtype. Fused MoE experts are written per expert under the names vLLM,
     sglang and transformers read (Mixtral `block_sparse_moe.experts.E.w1/w3/w2`, Qwen2/3-MoE
-    `mlp.experts.E.gate_proj/up_proj/down_proj`); a tied lm_head is not written. An int8 token embedding
+    `mlp.experts.E.gate_proj/up_proj/down_proj`; W4A8Experts as pack-quantized layers under those names, as W4A8Linear
+    layers are written); a tied lm_head is not written. An int8 token embedding
     (W8A8Embedding, quantize_embedding=True) is written as its float table (int8 * row scale, in the model's dtype),
     and an lm_head reading that table is written as the tied float lm_head it stands for (in `ignore`; vLLM and
     transformers read such a checkpoint as they read any other), with config.json's "w8a8_cpu": {"int8_embedding":
@@ -867,11 +883,11 @@ class _Loader:
         return (self.tensors.int8(weight, shape, shard.weight_index),
                 self.tensors.scale(f"{layer}.weight_scale", shape[0], strategy, shard.channel_index))
 
-    def _int4_linear(self, name: str, layer: str, args: "_Int4Args", module: torch.nn.Linear) -> None:
-        """A pack-quantized layer as a W4A8Linear: weight_packed int32 [N, ceil(K / 8)], weight_shape [N, K],
-        weight_scale [N, groups], and without symmetry weight_zero_point int32 [ceil(N / 8), groups] (packed along
-        the channels); w = scale * (q - zero point) = scale * q + (-scale * zero point)."""
-        n, k = module.weight.shape
+    def _int4_values(self, layer: str, args: "_Int4Args", n: int, k: int):
+        """(q int8 [n, k], group scales [n, groups], group minimums or None) of an int4 layer [n, k]: pack-quantized,
+        weight_packed int32 [N, ceil(K / 8)], weight_shape [N, K], weight_scale [N, groups], and without symmetry
+        weight_zero_point int32 [ceil(N / 8), groups] (packed along the channels); or int-quantized (one value per
+        int8). w = scale * (q - zero point) = scale * q + (-scale * zero point)."""
         groups = -(-k // args.group_size) if args.group_size else 1
         if args.packed:
             packed = self.tensors._take(f"{layer}.weight_packed", ("I32",), [[n, -(-k // 8)]],
@@ -898,9 +914,14 @@ class _Loader:
                 if zero.numel() and (int(zero.min()) < -8 or int(zero.max()) > 7):
                     raise ValueError(f"{self.tensors._where(key)} holds values outside int4's [-8, 7]")
             minimum = -scale * zero.to(torch.float32)
+        return q, scale, minimum
+
+    def _int4_linear(self, name: str, layer: str, args: "_Int4Args", module: torch.nn.Linear) -> None:
+        """An int4 layer (_int4_values) as a W4A8Linear."""
+        values = self._int4_values(layer, args, *module.weight.shape)
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32)
-        _replace_module(self.model, name, W4A8Linear(q, scale, minimum, args.group_size, bias))
+        _replace_module(self.model, name, W4A8Linear(*values, args.group_size, bias))
 
     def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
@@ -954,8 +975,7 @@ class _Loader:
         all_layers = self.naming.expert_linears(name, experts)
         strategies = [self._strategy(layer, ("Linear",)) for layers in all_layers for layer in layers]
         if any(isinstance(strategy, _Int4Args) for strategy in strategies):
-            raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} hold int4 "
-                             f"weights; w8a8_cpu runs MoE experts in W8A8 only")
+            return self._int4_experts(name, module, strategies, shard)
         quantized = {strategy is not None for strategy in strategies}
         if len(quantized) > 1:
             raise ValueError(f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)} are "
@@ -982,6 +1002,33 @@ class _Loader:
         w2_scale = torch.stack([down[1] for _, _, down in loaded])
         local = W8A8Experts(w13, w13_scale, w2, w2_scale)
         _replace_module(self.model, name, local if shard is None else shard.build(local))
+
+    def _int4_experts(self, name: str, module: torch.nn.Module, strategies: List, shard) -> None:
+        """Experts whose projections are all int4 of one kind (group size, symmetry, packing) as a W4A8Experts."""
+        where = f"{self.tensors.directory}: the experts of {self.naming.checkpoint_name(name)}"
+        if len(set(strategies)) != 1:
+            raise ValueError(f"{where} are partly int4, or int4 of several group sizes or symmetries; w8a8_cpu runs "
+                             f"an experts module wholly in one weight format")
+        if shard is not None:
+            raise ValueError(f"{where} hold int4 weights; a sharded load splits them, which w8a8_cpu.distributed "
+                             f"does for W8A8 experts only")
+        if not is_silu(module.act_fn):
+            raise ValueError(f"model: {name} uses activation {type(module.act_fn).__name__}; the fused W8A8 experts "
+                             f"implement SiLU-gated experts only")
+        args = strategies[0]
+        experts, inter2, hidden = _expert_weights(module)[0].shape
+        shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
+        loaded = [[self._int4_values(layer, args, *shape) for layer, shape in zip(layers, shapes)]
+                  for layers in self.naming.expert_linears(name, experts)]
+
+        def stacked(projections, value):  # one value (q, scale, minimum) of every expert, gate and up concatenated
+            if value == 2 and args.symmetric:
+                return None
+            return torch.stack([torch.cat([expert[p][value] for p in projections]) for expert in loaded])
+
+        w13 = [stacked((0, 1), value) for value in range(3)]
+        w2 = [stacked((2,), value) for value in range(3)]
+        _replace_module(self.model, name, W4A8Experts(*w13, *w2, args.group_size))
 
     def remaining(self, tied: Sequence[str]) -> None:
         """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its
@@ -1121,7 +1168,8 @@ def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fus
     as compressed-tensors does) and sglang `w8a8_int8` ones (int8 weight and fp32 weight_scale [N, 1]; a layer
     whose weight is stored float stays float), from model.safetensors or a sharded model.safetensors.index.json.
     The model is built from config.json on the meta device (buffers real), each quantized Linear becomes a
-    W8A8Linear and each MoE experts module a W8A8Experts from the stored int8 tensors (float weights of quantized
+    W8A8Linear and each MoE experts module a W8A8Experts from the stored int8 tensors (4-bit layers: W4A8Linear,
+    experts all 4-bit of one kind: W4A8Experts; float weights of quantized
     layers are never created), and everything else is loaded in `dtype` (default: config.json's dtype, else
     float32). Any other scheme, and any file, field or tensor that is malformed, missing, unexpected or of the
     wrong dtype or shape, raises ValueError naming it. fuse: then fuse the projections as quantize_model(fuse=True)

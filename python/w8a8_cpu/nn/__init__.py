@@ -10,8 +10,8 @@ import torch
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
                           fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
-                          pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
-                          unpack_weight, weight_scheme)
+                          pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
+                          quantize_weight_int4, unpack_weight, weight_scheme)
 from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
@@ -434,6 +434,14 @@ class W8A8MoE(_Fp32Scales):
         w_q, w_scale = quantize_weight(w.reshape(e * n, k))
         return w_q.reshape(e, n, k), w_scale.reshape(e, n)
 
+    @staticmethod
+    def _quantize_experts_int4(w: torch.Tensor, group_size: int, symmetric: bool, min_max: bool):
+        """(q [E, N, K], group scales [E, N, groups], group minimums or None) of float experts [E, N, K]: each
+        channel's groups along K as quantize_weight_int4 quantizes a Linear weight's."""
+        e, n, k = w.shape
+        values = quantize_weight_int4(w.reshape(e * n, k), group_size, symmetric, min_max)
+        return tuple(None if v is None else v.reshape(e, n, -1) for v in values)
+
     @classmethod
     def from_float(cls, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool = True) -> "W8A8MoE":
         if w13.dim() != 3 or w2.dim() != 3:
@@ -476,6 +484,19 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         return torch.allclose(act(probe), torch.nn.functional.silu(probe))
 
 
+def _silu_expert_weights(experts: torch.nn.Module):
+    """(gate_up_proj, down_proj) of a transformers fused-experts module that the fused experts can run (SiLU-gated),
+    else ValueError."""
+    weights = _expert_weights(experts)
+    if weights is None:
+        raise ValueError(f"experts: {type(experts).__name__} has no 3-D gate_up_proj / down_proj parameters")
+    act = experts.act_fn
+    if not is_silu(act):
+        raise ValueError(f"experts: {type(experts).__name__} uses activation {type(act).__name__}; the fused "
+                         f"W8A8 experts implement SiLU-gated experts only")
+    return weights
+
+
 class W8A8Experts(_Fp32Scales):
     """Drop-in for a transformers fused-experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts):
     forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H] through fused_experts.
@@ -487,6 +508,11 @@ class W8A8Experts(_Fp32Scales):
 
     def __init__(self, w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor):
         super().__init__()
+        self._take_shapes(w13_q, w2_q)
+        self._hold(*pack_moe_weights(w13_q, w2_q), w13_scale, w2_scale)
+
+    def _take_shapes(self, w13_q: torch.Tensor, w2_q: torch.Tensor) -> None:
+        """The experts' sizes from w13 [E, 2I, H] and w2 [E, H, I] (int8 values, int4 ones included)."""
         for name, w in (("w13_q", w13_q), ("w2_q", w2_q)):
             if w.dtype != torch.int8 or w.dim() != 3:
                 raise ValueError(f"{name}: expected int8 [E, N, K], got {w.dtype} {tuple(w.shape)}")
@@ -495,23 +521,20 @@ class W8A8Experts(_Fp32Scales):
             raise ValueError(f"w13_q {tuple(w13_q.shape)} and w2_q {tuple(w2_q.shape)}: expected [E, 2I, H] and "
                              f"[E, H, I]")
         self.intermediate_dim = inter2 // 2
-        w13_packed, w2_packed = pack_moe_weights(w13_q, w2_q)
+
+    def _hold(self, w13_packed: torch.Tensor, w2_packed: torch.Tensor, w13_scale: torch.Tensor,
+              w2_scale: torch.Tensor) -> None:
         self.register_buffer("w13_packed", w13_packed)
         self.register_buffer("w2_packed", w2_packed)
-        self.register_buffer("w13_scale", _finite_fp32(w13_scale, "w13_scale").reshape(self.num_experts, inter2))
+        self.register_buffer("w13_scale", _finite_fp32(w13_scale, "w13_scale").reshape(self.num_experts,
+                                                                                        2 * self.intermediate_dim))
         self.register_buffer("w2_scale", _finite_fp32(w2_scale, "w2_scale").reshape(self.num_experts,
                                                                                      self.hidden_dim))
 
     @classmethod
     def from_experts(cls, experts: torch.nn.Module) -> "W8A8Experts":
-        weights = _expert_weights(experts)
-        if weights is None:
-            raise ValueError(f"experts: {type(experts).__name__} has no 3-D gate_up_proj / down_proj parameters")
-        act = experts.act_fn
-        if not is_silu(act):
-            raise ValueError(f"experts: {type(experts).__name__} uses activation {type(act).__name__}; the fused "
-                             f"W8A8 experts implement SiLU-gated experts only")
-        return cls(*W8A8MoE._quantize_experts(weights[0]), *W8A8MoE._quantize_experts(weights[1]))
+        gate_up, down = _silu_expert_weights(experts)
+        return cls(*W8A8MoE._quantize_experts(gate_up), *W8A8MoE._quantize_experts(down))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -526,6 +549,51 @@ class W8A8Experts(_Fp32Scales):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
+
+
+class W4A8Experts(W8A8Experts):
+    """W8A8Experts with int4 experts (W4A8: int4 weights in groups along K with fp32 group scales, optionally
+    minimums, per-token int8 activations): each expert's w13 and w2 one blob of the int4 scheme (pack_experts_int4),
+    run by the same forward and op; each projection is bit for bit what W4A8Linear computes for it. w13_scale /
+    w2_scale [E, N] multiply on top (ones unless given)."""
+
+    def __init__(self, w13_q: torch.Tensor, w13_group_scale: torch.Tensor, w13_group_min: Optional[torch.Tensor],
+                 w2_q: torch.Tensor, w2_group_scale: torch.Tensor, w2_group_min: Optional[torch.Tensor],
+                 group_size: int, w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None):
+        """w13_q [E, 2I, H] and w2_q [E, H, I] int8 holding [-8, 7]; group scales / minimums [E, N, groups] per group
+        of group_size k (0: per channel), as _quantize_experts_int4 gives them."""
+        _Fp32Scales.__init__(self)
+        self._take_shapes(w13_q, w2_q)
+        self.group_size = group_size
+        self._hold(pack_experts_int4(w13_q, w13_group_scale, w13_group_min, group_size),
+                   pack_experts_int4(w2_q, w2_group_scale, w2_group_min, group_size),
+                   torch.ones(w13_q.shape[:2]) if w13_scale is None else w13_scale,
+                   torch.ones(w2_q.shape[:2]) if w2_scale is None else w2_scale)
+
+    @classmethod
+    def from_experts(cls, experts: torch.nn.Module, group_size: int = 32, symmetric: bool = True,
+                     min_max: bool = False) -> "W4A8Experts":
+        """Round-to-nearest int4 of the float experts per group (quantize_weight_int4's rules)."""
+        gate_up, down = _silu_expert_weights(experts)
+        return cls(*W8A8MoE._quantize_experts_int4(gate_up, group_size, symmetric, min_max),
+                   *W8A8MoE._quantize_experts_int4(down, group_size, symmetric, min_max), group_size)
+
+    def int8_weights(self, experts: slice = slice(None)):
+        raise ValueError("W4A8Experts holds int4 experts with group scales, not int8 ones with channel scales: use "
+                         "int4_weights()")
+
+    def int4_weights(self, experts: slice = slice(None)):
+        """Per projection (w13, then w2), the int4 values of `experts` (all by default) from the blobs: (q int8 [E, N,
+        K] in [-8, 7], group scales [E, N, groups], group minimums or None, group size)."""
+        def stacked(blobs: torch.Tensor):
+            values = [int4_weight_values(blob) for blob in blobs[experts]]
+            mins = None if values[0][2] is None else torch.stack([v[2] for v in values])
+            return torch.stack([v[0] for v in values]), torch.stack([v[1] for v in values]), mins, values[0][3]
+
+        return stacked(self.w13_packed), stacked(self.w2_packed)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, int4 groups of {self.group_size or 'a whole channel'}"
 
 
 def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
@@ -568,11 +636,10 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
-    scheme="w4a8": the Linear layers become W4A8Linear instead (round-to-nearest int4 per group of group_size k,
-    0: per channel; symmetric, or asymmetric with an integer zero point, or min_max: quantize_weight_int4), except
-    an output layer
-    that shares its table with the int8 embedding (quantize_embedding=True), which stays W8A8. MoE experts stay W8A8
-    (fused_experts takes int8 experts).
+    scheme="w4a8": the Linear layers become W4A8Linear and the fused-experts modules W4A8Experts instead
+    (round-to-nearest int4 per group of group_size k, 0: per channel; symmetric, or asymmetric with an integer zero
+    point, or min_max: quantize_weight_int4; the experts' w13 and w2 alike), except an output layer that shares its
+    table with the int8 embedding (quantize_embedding=True), which stays W8A8.
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.
@@ -618,7 +685,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                               f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
                               f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
         if not isinstance(module, torch.nn.Linear):
-            replacement = W8A8Experts.from_experts(module)
+            replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) if scheme == "w4a8" \
+                else W8A8Experts.from_experts(module)
         elif scheme == "w4a8" and not tied_to_embedding:
             replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
         else:
@@ -680,4 +748,4 @@ def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) 
 
 
 __all__ = ["W8A8Linear", "W4A8Linear", "W8A8LinearSlice", "W8A8GatedMLP", "W8A8Embedding", "W8A8MoE", "W8A8Experts",
-           "quantize_model", "fuse_projections"]
+           "W4A8Experts", "quantize_model", "fuse_projections"]

@@ -233,6 +233,71 @@ void test_shared_vectors(const MicroKernel& kern) {
               got == kSharedVectorsHash ? "(matches)" : "(WRONG)");
 }
 
+// FNV-1a (64-bit) over fp32 values' bits, as little-endian bytes.
+uint64_t fnv1a_float(const std::vector<float>& v) {
+  std::vector<int32_t> bits(v.size());
+  std::memcpy(bits.data(), v.data(), v.size() * 4);
+  return fnv1a_int32(bits);
+}
+
+// W4A8 shared test vectors: linear() on one fixed 13x77x1000 problem with int4 weights in groups of 32 with
+// minimums (K padded to 1024), every value and scale exactly representable and drawn from SplitMix64, equals a scalar
+// implementation of the fixed fp32 group order bit for bit, and its fp32 output bits hash to one constant on every
+// arch and variant (computed with the ref variant). Every variant runs it: its int4 tile or the generic widening
+// path.
+constexpr uint64_t kInt4SharedVectorsHash = 0xbf8c27032e2b7787ull;
+void test_int4_shared_vectors(const MicroKernel& kern) {
+  const Shape s{13, 77, 1000};
+  const int group_log2 = 5;
+  const int64_t group = int64_t{1} << group_log2, groups = (s.k + group - 1) / group;
+  SplitMix64 gen{0x1234abcd5678ef01ull};
+  std::vector<float> x(s.m * s.k), scales(s.n * groups), mins(s.n * groups), w_scale(s.n, 1.f), out(s.m * s.n);
+  std::vector<int8_t> q(s.n * s.k);
+  for (auto& v : x) v = static_cast<float>(gen.next_int8()) / 16.f;
+  for (auto& v : q) v = static_cast<int8_t>(gen.next_int8() >> 4);  // all of -8..7
+  for (auto& v : scales) v = static_cast<float>(1 + (gen.next() >> 58)) / 1024.f;
+  for (auto& v : mins) v = static_cast<float>(gen.next_int8()) / 512.f;
+  const WeightFormat format{WeightScheme::int4_min, group_log2};
+  std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w", format));
+  pack_weight_int4(kern, q.data(), s.n, s.k, s.k, scales.data(), mins.data(), format, blob.data(), serial_for);
+  const PackedWeightView view = view_packed_weight(blob.data(), blob.size(), "w");
+  std::vector<uint8_t> scratch(linear_scratch_nbytes(kern, s.m, s.k, blob_k_padded(blob), groups));
+  std::vector<float> a_scales(s.m);
+  CHECK(linear(kern, x.data(), FloatKind::f32, s.m, s.k, nullptr, view,
+               {nullptr, w_scale.data(), nullptr, out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
+               serial_for) == -1, "%s: finite rows reported bad", kern.name);
+  // the scalar implementation: the driver's quantization (checked per variant above), then per group
+  // t = t + float(acc_g) * scale_g, t = t + float(sum_g a) * min_g; out = t * (a_scale * w_scale)
+  int64_t mismatches = 0;
+  std::vector<int8_t> a(s.k);
+  for (int64_t i = 0; i < s.m; ++i) {
+    uint32_t bits = ref_row_absmax_bits(x.data() + i * s.k, FloatKind::f32, s.k);
+    float amax;
+    std::memcpy(&amax, &bits, 4);
+    amax = std::max(amax, kAmaxEps);
+    ref_quantize_row(x.data() + i * s.k, FloatKind::f32, s.k, 127.f / amax, a.data());
+    for (int64_t j = 0; j < s.n; ++j) {
+      float t = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int64_t acc = 0, a_sum = 0;
+        for (int64_t c = g * group; c < std::min(s.k, (g + 1) * group); ++c)
+          acc += int64_t{a[c]} * q[j * s.k + c], a_sum += a[c];
+        t = t + static_cast<float>(acc) * scales[j * groups + g];
+        t = t + static_cast<float>(a_sum) * mins[j * groups + g];
+      }
+      const float want = t * ((amax / 127.f) * w_scale[j]);
+      mismatches += std::memcmp(&want, &out[i * s.n + j], 4) != 0;
+    }
+  }
+  const uint64_t got = fnv1a_float(out);
+  CHECK(mismatches == 0, "%s: int4 shared vectors: %" PRId64 " outputs differ from the scalar implementation",
+        kern.name, mismatches);
+  CHECK(got == kInt4SharedVectorsHash, "%s: int4 shared vectors hash 0x%016" PRIx64 ", expected 0x%016" PRIx64,
+        kern.name, got, kInt4SharedVectorsHash);
+  std::printf("  %-12s int4 shared vectors 13x77x1000 g32: %" PRId64 " mismatches, hash 0x%016" PRIx64 " %s\n",
+              kern.name, mismatches, got, got == kInt4SharedVectorsHash ? "(matches)" : "(WRONG)");
+}
+
 // The whole driver (quantize, pack, gemm, epilogue) gives bit-identical outputs in every variant.
 void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -555,6 +620,7 @@ int run(int argc, char** argv) {
     test_driver_int8_min(*kern, seed);
     test_quantization(*kern, seed);
     test_shared_vectors(*kern);
+    test_int4_shared_vectors(*kern);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
   }

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import List, Optional
 
-from w8a8_cpu.cli.bench import AO, FP32, MOE_BF16, MOE_LOOP, ORT_RR, OURS
+from w8a8_cpu.cli.bench import AO, FP32, MOE_BF16, MOE_LOOP, ORT_RR, OURS, W4A8
 
 INT8_PEERS = (AO, ORT_RR)  # the exact-enough int8 peers the speed targets compare with (ORT without reduce_range
 #                            saturates on CPUs without VNNI: its error column shows it)
@@ -56,6 +56,16 @@ def evaluate_targets(result: dict) -> List[dict]:
     ov = result.get("overhead_us")
     add("per-call overhead M=1 N=K=64 (W8A8Linear, Python API)", None if not ov else ov["W8A8Linear(x)"], 15.0,
         False, unit="us")
+    def w4a8_time(case: Optional[dict]) -> Optional[float]:  # W4A8 time / W8A8 time
+        r = time_ratio(case, W4A8)
+        return None if r is None else 1.0 / r
+
+    for shape in ("14336x4096", "4096x4096"):  # W4A8 (issue #21): half the bytes, read at the bandwidth limit
+        c = _find(cases, shape, 1)
+        add(f"decode M=1 {shape}: W4A8 time / W8A8 time", w4a8_time(c), 0.6, False)
+        add(f"decode M=1 {shape}: W4A8 bytes read / streaming-read bandwidth",
+            None if c is None else c.get("w4a8_decode_efficiency"), 0.85, True)
+    add("prefill M=512 4096x4096: W4A8 time / W8A8 time", w4a8_time(_find(cases, "4096x4096", 512)), 1.15, False)
     moe = result.get("moe") or []
     for m in (1, 16, 128):
         rows = [c for c in moe if c["m"] == m]

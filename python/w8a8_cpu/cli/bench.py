@@ -11,11 +11,13 @@ Linear candidates (fp32 activations unless noted; weights made once per shape):
   torch bf16      x @ w.t() with bf16 x, w
   torch.ao int8   torch.ao.quantization.quantize_dynamic nn.Linear (engine: x86/fbgemm on x86, qnnpack on Arm)
   torch int8 wo   torch._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N]): weight-only int8
+  w8a8_cpu W4A8   w8a8_cpu.nn.W4A8Linear: int4 weights in symmetric groups of 32 (half the weight bytes), the same op
 Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
 and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The streaming-read reference is
 torch.sum over a 256 MiB float32 tensor: best of a few before and after the cases (printed), and in every decode
 case one more candidate of the interleaved rounds, so decode efficiency = w8a8_cpu weight bytes per second / the
-read bandwidth of the same rounds (both medians), which the load of other jobs on the memory bus hits alike.
+read bandwidth of the same rounds (both medians), which the load of other jobs on the memory bus hits alike; W4A8's
+decode efficiency counts its own bytes (nibbles and group scales).
 """
 from __future__ import annotations
 
@@ -66,7 +68,8 @@ def phase_of(m: int) -> str:
 OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
 ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
-BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT)
+W4A8, W4A8_GROUP = "w8a8_cpu W4A8", 32
+BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT, W4A8)
 READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
 
 # MoE (Qwen/DeepSeek-like small experts): hidden H, intermediate I, cases (M, E, topk).
@@ -155,9 +158,11 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
         linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
     w = linear.weight.detach()
     ours = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    int4 = w8a8_cpu.nn.W4A8Linear.from_linear(linear, group_size=W4A8_GROUP)
     w_bf16 = w.to(torch.bfloat16)
     weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n,
-                    ORT_RR: n * k + 4 * n, ORT: n * k + 4 * n}
+                    ORT_RR: n * k + 4 * n, ORT: n * k + 4 * n,
+                    W4A8: n * k // 2 + 4 * n * -(-k // W4A8_GROUP) + 4 * n}
     ort_fns = {}
     try:
         for name, reduce_range in ((ORT_RR, True), (ORT, False)):
@@ -182,7 +187,7 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
     def make(m: int):
         x = torch.randn(m, k, generator=gen)
         xb, xn = x.to(torch.bfloat16), x.numpy()
-        fns = {OURS: lambda: ours(x), FP32: lambda: x @ w.t(), BF16: lambda: xb @ w_bf16.t()}
+        fns = {OURS: lambda: ours(x), FP32: lambda: x @ w.t(), BF16: lambda: xb @ w_bf16.t(), W4A8: lambda: int4(x)}
         if dyn is not None:
             fns[AO] = lambda: dyn(x)
         if wo_w is not None:
@@ -214,9 +219,11 @@ def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[
             "phase": phase_of(m), "results": results, "speedup": ratios}
     if read_samples:  # the read reference timed in the same rounds as the candidates
         case["read_gbs"] = read_bytes / statistics.median(read_samples) / 1e9
-        case["decode_efficiency"] = results[OURS]["weight_gbs"] / case["read_gbs"]
-    elif bw_ref:
-        case["decode_efficiency"] = results[OURS]["weight_gbs"] / bw_ref
+    bw = case.get("read_gbs", bw_ref)
+    if bw:
+        case["decode_efficiency"] = results[OURS]["weight_gbs"] / bw
+        if W4A8 in results:
+            case["w4a8_decode_efficiency"] = results[W4A8]["weight_gbs"] / bw
     return case
 
 
@@ -293,7 +300,8 @@ def bench_overhead(reps: int, warmup: int, inner: int = 2000) -> dict:
 def print_linear(case: dict) -> None:
     eff = ""
     if "read_gbs" in case:  # every decode case
-        eff = (f", decode efficiency {case['decode_efficiency'] * 100:.0f}% of the same rounds' read bw "
+        eff = (f", decode efficiency {case['decode_efficiency'] * 100:.0f}% (W4A8 "
+               f"{case.get('w4a8_decode_efficiency', float('nan')) * 100:.0f}%) of the same rounds' read bw "
                f"({case['read_gbs']:.2f} GB/s)")
     print(f"{case['phase']} M={case['m']:<4} N={case['n']} K={case['k']} ({case['role']}){eff}")
     for cand, r in case["results"].items():

@@ -94,6 +94,12 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
   __m512 sum[M];
   for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    // The scales (and minimums) are a second stream after the panel's nibbles, one line per group: prefetched as
+    // far ahead as the nibbles (kX86PrefetchBytes of nibbles = that many groups), or every small group waits on
+    // its scales' load from memory (14336x4096 g32 at M=1 ran 3x slower than W8A8 without it).
+    const int64_t ahead = g + kX86PrefetchBytes / (group * kNr / 2);
+    _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * kNr * 4), _MM_HINT_T1);
+    if (has_mins) _mm_prefetch(reinterpret_cast<const char*>(mins + ahead * kNr * 4), _MM_HINT_T1);
     __m512i acc[M][U];
     for (int i = 0; i < M; ++i)
       for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();

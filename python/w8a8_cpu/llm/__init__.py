@@ -13,7 +13,6 @@ import importlib
 _EXPORTS = {
     "smooth_quant": "smoothquant",
     "SmoothingReport": "smoothquant",
-    "MAPPINGS": "smoothquant",
     "save_compressed": "checkpoint",
     "load_quantized": "checkpoint",
 }

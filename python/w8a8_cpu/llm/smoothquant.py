@@ -11,7 +11,7 @@ the float model computes the same function while the activation becomes flatter 
 quantized) weights absorb part of its range. Run it on the float model, before `quantize_model`.
 
 Pairs: (producer, consumers) of module names relative to one decoder layer (an element of the model's `layers`
-ModuleList), e.g. ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")).
+(or `h`) ModuleList), e.g. ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")).
 
 - producer: a norm whose output is normalized(x) * weight (+ bias), or * (1 + weight) (+ bias) as in Gemma: its
   weight and bias are divided by s (Gemma's: 1 + weight); or a Linear, or a block of its output rows (Phi-3's
@@ -299,9 +299,9 @@ class _Site:
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers")):
+        if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in ("layers", "h"):  # h: Falcon
             return module
-    raise ValueError(f"model: {type(model).__name__} has no ModuleList of decoder layers named 'layers'")
+    raise ValueError(f"model: {type(model).__name__} has no ModuleList of decoder layers named 'layers' or 'h'")
 
 
 def _attention_heads(model: torch.nn.Module) -> Tuple[int, Optional[int]]:
@@ -444,14 +444,15 @@ def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
         readers = tuple(name for name, (_, read) in record.read.items() if _same_tensor(output, read))
         if not _is_norm(modules[norm]) or not readers:
             continue
-        fits = all(_input_weight(modules[name], name).shape[-1] == output.shape[-1] for name in readers)
-        pair = first_exact(_Pair(norm, readers, head_dim=output.shape[-1], norm_offset=offset)
-                           for offset in (0.0, 1.0)) if fits else None  # weight, or Gemma's 1 + weight
+        misfits = [name for name in readers if _input_weight(modules[name], name).shape[-1] != output.shape[-1]]
+        pair = None if misfits else first_exact(_Pair(norm, readers, head_dim=output.shape[-1], norm_offset=offset)
+                                                for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
         if pair:
             pairs.append(pair)
         else:
-            why_not.update({name: f"reads {norm}'s output, but no fold into {norm} keeps the layer's output"
-                            for name in readers})
+            why = f"the weight of {', '.join(misfits)} is not [out, in]" if misfits else \
+                f"no fold into {norm} keeps the layer's output"
+            why_not.update({name: f"reads {norm}'s output, but {why}" for name in readers})
     for name, (read_at, read) in record.read.items():
         if name in why_not or any(name in pair.consumers for pair in pairs):
             continue

@@ -40,7 +40,9 @@ it reads the producer changes the function, which `SmoothingReport.logit_drift` 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -56,9 +58,10 @@ Mapping = Tuple[str, Sequence[str]]
 _ABSMAX_FLOOR = 1e-5
 # Pair discovery runs the float model on this many tokens of the first calibration batch (one sequence).
 _DISCOVERY_TOKENS = 16
-# A candidate fold is checked with scales exp(U(-1.5, 1.5)), 0.22 .. 4.5: a wrong fold moves the layer's
-# output by about its own size, a right one by rounding (~1e-6 of it in fp32, ~1e-2 in bf16 / fp16).
+# A candidate fold is checked in fp32 with scales exp(U(-1.5, 1.5)), 0.22 .. 4.5: a wrong fold moves what the
+# layer adds to its input by a good part of its size, a right one by rounding (~1e-6 of it).
 _CHECK_LOG_SCALE = 1.5
+_CHECK_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,7 @@ class _LayerRecord:
 
     def __init__(self, index: int, layer: torch.nn.Module):
         self.index, self.layer, self.modules = index, layer, dict(layer.named_modules())
-        self.call, self.made, self.read, self.clock = None, {}, {}, itertools.count()
+        self.call, self.input, self.made, self.read, self.clock = None, None, {}, {}, itertools.count()
 
     def attach(self) -> list:
         handles = [self.layer.register_forward_pre_hook(self._record_call, with_kwargs=True)]
@@ -394,7 +397,7 @@ class _LayerRecord:
 
     def _record_call(self, layer, args, kwargs):
         if self.call is None:
-            self.call = (args, kwargs)
+            self.call, self.input = (args, kwargs), args[0] if args else kwargs["hidden_states"]
 
     def _record_output(self, name, module, args, output):
         if name not in self.made and isinstance(output, torch.Tensor):
@@ -405,25 +408,55 @@ class _LayerRecord:
         if name not in self.read and inputs:
             self.read[name] = (next(self.clock), inputs[0])
 
-    def layer_input(self) -> torch.Tensor:
-        args, kwargs = self.call
-        return args[0] if args else kwargs["hidden_states"]
-
     def run(self) -> torch.Tensor:
-        args, kwargs = self.call
+        """The layer's output for its recorded call, in fp32 (see _checked_in_fp32)."""
+        args, kwargs = _to_fp32(self.call)
         return _first_tensor(self.layer(*args, **kwargs))
+
+
+def _to_fp32(value):
+    """value with its 16-bit floating tensors (also inside tuples, lists and dicts) in fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.element_size() < 4 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_fp32(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_fp32(item) for key, item in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _checked_in_fp32(layer: torch.nn.Module):
+    """The layer's 16-bit parameters and buffers in fp32 meanwhile, restored exactly after (bf16 and fp16 are
+    subsets of fp32): in bf16 the rounding of a right fold (~1e-2) would hide the small error of a wrong one
+    (silu(gate / s) * s is nearly silu(gate) for small gates). The layer takes twice its memory meanwhile."""
+    tensors = [tensor for tensor in itertools.chain(layer.parameters(), layer.buffers())
+               if tensor.is_floating_point() and tensor.element_size() < 4]
+    dtypes = [tensor.dtype for tensor in tensors]
+    for tensor in tensors:
+        tensor.data = tensor.data.float()
+    try:
+        yield
+    finally:
+        for tensor, dtype in zip(tensors, dtypes):
+            tensor.data = tensor.data.to(dtype)
 
 
 def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int]):
     """The pairs that fold exactly in one layer, and {consumer: why not} for the inputs none reaches."""
+    with _checked_in_fp32(record.layer):
+        return _fold_exactly(record, kv_groups, head_dim)
+
+
+def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int]):
     modules, generator = record.modules, torch.Generator().manual_seed(0)
     reference = record.run()
-    tolerance = 1e-4 if reference.dtype in (torch.float32, torch.float64) else 3e-2
-    update = reference - record.layer_input() if reference.shape == record.layer_input().shape else reference
+    layer_input = _to_fp32(record.input)
     # Relative to what the layer adds to the residual stream, which a tiny random model keeps small.
-    bound = tolerance * update.abs().max().item()
+    update = reference - layer_input if reference.shape == layer_input.shape else reference
+    bound = _CHECK_TOLERANCE * update.abs().max().item()
 
-    def folds_exactly(pair: _Pair) -> bool:
+    def change_after_fold(pair: _Pair) -> float:
         saved = [(param, param.detach().clone()) for name in {pair.producer, *pair.consumers}
                  for param in modules[name].parameters(recurse=False)]
         scale = torch.empty(_scale_shape(pair, modules)).uniform_(-_CHECK_LOG_SCALE, _CHECK_LOG_SCALE,
@@ -434,10 +467,14 @@ def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
         finally:
             for param, value in saved:
                 param.copy_(value)
-        return change <= bound  # False for NaN too
+        return math.inf if math.isnan(change) else change
 
-    def first_exact(candidates: Iterable[_Pair]) -> Optional[_Pair]:
-        return next((pair for pair in candidates if folds_exactly(pair)), None)
+    def best_fold(candidates: Iterable[_Pair]) -> Optional[_Pair]:
+        """The candidate that changes the output least, if that is rounding only: of two near-homogeneous paths
+        (up -> down, and gate -> down with small gates) the exact one wins."""
+        change, pair = min(((change_after_fold(pair), pair) for pair in candidates), key=lambda item: item[0],
+                           default=(math.inf, None))
+        return pair if change <= bound else None
 
     pairs, why_not = [], {}
     for norm, (_, output) in record.made.items():
@@ -445,8 +482,8 @@ def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
         if not _is_norm(modules[norm]) or not readers:
             continue
         misfits = [name for name in readers if _input_weight(modules[name], name).shape[-1] != output.shape[-1]]
-        pair = None if misfits else first_exact(_Pair(norm, readers, head_dim=output.shape[-1], norm_offset=offset)
-                                                for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
+        pair = None if misfits else best_fold(_Pair(norm, readers, head_dim=output.shape[-1], norm_offset=offset)
+                                              for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
         if pair:
             pairs.append(pair)
         else:
@@ -457,16 +494,16 @@ def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
         if name in why_not or any(name in pair.consumers for pair in pairs):
             continue
         is_experts = _expert_weights(modules[name]) is not None  # reads a norm's output or nothing foldable
-        pair = None if is_experts else first_exact(_linear_candidates(record, name, read_at, kv_groups, head_dim))
+        pair = None if is_experts else best_fold(_linear_candidates(record, name, read_at, kv_groups, head_dim))
         if pair:
             pairs.append(pair)
-        elif _same_tensor(record.layer_input(), read):
+        elif _same_tensor(record.input, read):
             why_not[name] = "reads the layer input (the residual stream): no norm in front"
         else:
             why_not[name] = "reads no norm's output, and no Linear's output folds into it"
     for name in record.read:  # each expert's up rows -> its down_proj
         if _expert_weights(modules[name]) is not None:
-            if folds_exactly(_Pair(name, (name,))):
+            if best_fold([_Pair(name, (name,))]):
                 pairs.append(_Pair(name, (name,)))
             else:
                 why_not[f"{name} (down_proj)"] = "act(gate) * up does not fold into the up rows"

@@ -137,7 +137,8 @@ def test_derived_pairs_keep_the_function_and_cover_every_linear(model_type):
         assert smoothed | reported == readers and not smoothed & reported, (index, str(report))
     assert used == expected, "an expected pair applies to no layer"
     assert {entry.consumers: entry.reason for entry in report.not_smoothed} == expected_not_smoothed, str(report)
-    assert all(entry.layers == (0, 1) for entry in report.not_smoothed)
+    assert all(entry.layers == (0, 1) and f"layers 0-1: {', '.join(entry.consumers)}: {entry.reason}" in str(report)
+               for entry in report.not_smoothed)
     # The outlier channels put into the norms shrink wherever a norm is smoothed.
     assert all(entry.outlier_after < entry.outlier_before for entry in report.inputs
                if entry.producer.endswith("norm") or entry.producer.startswith("ln_")), str(report)

@@ -27,9 +27,9 @@ Pairs: (producer, consumers) of module names relative to one decoder layer (an e
 
 By default the pairs are derived from the model itself, not from its name: one short float forward records
 which norm's output each Linear, router and experts module reads (the same tensor, or a view of it) and which
-Linears ran before it; each candidate fold is then checked by running the layer alone with random positive
-scales folded in (its output must stay the same), which also tells a norm's weight convention, and rejects
-non-homogeneous paths (gate -> down, q -> o). Layers of one structure share the verdict. Inputs no fold
+Linears ran before it; each candidate fold is then checked by running the layer alone, in fp32, with random
+positive scales folded in (its output must stay the same), which also tells a norm's weight convention and
+rejects non-homogeneous paths (gate -> down, q -> o). Layers of one structure share the verdict. Inputs no fold
 reaches stay as they are and are reported with the reason: OLMo 2 puts its norms after the projections, so
 q/k/v and gate/up read the residual stream with no norm in front; GPT-NeoX interleaves q/k/v per head, so
 no block of its fused rows is v.
@@ -86,8 +86,13 @@ class NotSmoothed:
 
 
 def _layer_ranges(layers: Sequence[int]) -> str:
-    runs = [list(run) for _, run in itertools.groupby(layers, key=lambda value, counter=itertools.count():
-                                                       value - next(counter))]
+    """(0, 1, 2, 5) -> '0-2, 5'."""
+    runs: List[List[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
 
 

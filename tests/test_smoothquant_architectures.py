@@ -78,6 +78,18 @@ ARCHITECTURES = {
     "gpt_neox": ({}, (("input_layernorm", ("attention.query_key_value",)),
                       ("post_attention_layernorm", ("mlp.dense_h_to_4h",))),
                  {("attention.dense", "mlp.dense_4h_to_h"): NOT_FOLDABLE}),
+    # Multi-head latent attention: norms inside attention feed q_b_proj / kv_b_proj; v comes interleaved with k.
+    "deepseek_v3": (dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+                    (("input_layernorm", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+                     ("self_attn.q_a_layernorm", ("self_attn.q_b_proj",)),
+                     ("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",))) + _DENSE_MLP + (
+                        ("post_attention_layernorm", ("mlp.gate", "mlp.experts", "mlp.shared_experts.gate_proj",
+                                                      "mlp.shared_experts.up_proj")),
+                        ("mlp.experts", ("mlp.experts",)),
+                        ("mlp.shared_experts.up_proj", ("mlp.shared_experts.down_proj",))),
+                    {("self_attn.o_proj",): NOT_FOLDABLE}),
     "falcon": (dict(num_kv_heads=2, new_decoder_architecture=True),
                (("ln_attn", ("self_attention.query_key_value",)), ("ln_mlp", ("mlp.dense_h_to_4h",))),
                {("self_attention.dense", "mlp.dense_4h_to_h"): NOT_FOLDABLE}),
@@ -90,7 +102,7 @@ INPUT_NORMS = tuple(f"{name}.weight" for name in ("input_layernorm", "post_atten
 
 def tiny_model(model_type):
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **TINY, **ARCHITECTURES[model_type][0])
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **ARCHITECTURES[model_type][0]})
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norm weights away from their initial 0 or 1; outlier channels in those before Linears
         for name, param in model.named_parameters():
@@ -154,3 +166,15 @@ def test_a_bf16_model_is_checked_in_fp32_and_stays_bf16(model_type):
     assert found == {(producer, frozenset(consumers)) for producer, consumers in ARCHITECTURES[model_type][1]}
     assert {tensor.dtype for tensor in model.state_dict().values() if tensor.is_floating_point()} == {torch.bfloat16}
     assert report.logit_drift < 0.1  # bf16 rounding of the folded weights
+
+
+def test_an_architecture_where_nothing_folds_says_why():
+    # GPT-2's Conv1D keeps its weight [in, out]; its MLP is GELU.
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"no SmoothQuant pair folds exactly into GPT2LMHeadModel \(attn\.c_attn: reads "
+                                         r"ln_1's output, but the weight of attn\.c_attn is not \[out, in\]; .*"
+                                         r"attn\.c_proj, mlp\.c_proj: reads no norm's output"):
+        smooth_quant(model, torch.randint(0, 64, (1, 16)))
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())

@@ -169,11 +169,13 @@ def _input_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
+    """A candidate norm producer: a 1-D weight (RMSNorm, LayerNorm, ...); the fold check tells what it computes."""
     weight = getattr(module, "weight", None)
     return isinstance(weight, torch.Tensor) and weight.dim() == 1
 
 
 def _is_consumer(module: torch.nn.Module) -> bool:
+    """A module whose input a fold can smooth: a 2-D weight (Linear, router) or fused experts."""
     weight = getattr(module, "weight", None)
     return _expert_weights(module) is not None or (isinstance(weight, torch.Tensor) and weight.dim() == 2
                                                    and not isinstance(module, torch.nn.Embedding))

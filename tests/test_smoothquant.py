@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import MAPPINGS, smooth_quant  # noqa: E402
+from w8a8_cpu.llm.smoothquant import smooth_quant  # noqa: E402
 from w8a8_cpu.nn import quantize_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -92,33 +92,28 @@ def test_batches_iterable_equals_one_tensor():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=lambda detail: f"{name}: {detail}")
 
 
-def test_unknown_architecture_lists_the_supported_ones():
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(ValueError, match="'gpt2'.*" + ", ".join(sorted(MAPPINGS))):
-        smooth_quant(model, token_ids(seed=1) % 64)
-
-
 class ToyBlock(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, norm=None, act=torch.relu):
         super().__init__()
-        self.norm = torch.nn.LayerNorm(16)  # a bias too: divided by s with the weight
+        self.norm = norm or torch.nn.LayerNorm(16)  # a bias too: divided by s with the weight
         self.up = torch.nn.Linear(16, 32)
         self.down = torch.nn.Linear(32, 16)
+        self.act = act
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
+        return x + self.down(self.act(self.up(self.norm(x))))
 
 
 class Toy(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, **block):
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(64, 16)
-        self.layers = torch.nn.ModuleList([ToyBlock(), ToyBlock()])
+        self.layers = torch.nn.ModuleList([ToyBlock(**block), ToyBlock(**block)])
         with torch.no_grad():
             for block in self.layers:
-                block.norm.weight[[2, 7]] *= 30
+                if block.norm.weight is not None:
+                    block.norm.weight[[2, 7]] *= 30
                 block.up.weight[[4]] *= 30
 
     def forward(self, ids):
@@ -136,6 +131,23 @@ def test_explicit_mappings_on_a_toy_model():
     assert [(entry.layer, entry.producer) for entry in report.inputs] == [(0, "norm"), (0, "up"), (1, "norm"),
                                                                          (1, "up")]
     assert all(entry.outlier_before > 10 > entry.outlier_after for entry in report.inputs), str(report)
+    derived = Toy()
+    derived_report = smooth_quant(derived, token_ids(seed=1) % 64, alpha=0.6)  # ReLU: up -> down folds
+    assert [(entry.layer, entry.producer, entry.consumers) for entry in derived_report.inputs] == \
+        [(entry.layer, entry.producer, entry.consumers) for entry in report.inputs]
+    assert derived_report.not_smoothed == ()
+    for got, want in zip(derived.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_a_model_with_nothing_to_fold_says_why():
+    model = Toy(norm=torch.nn.LayerNorm(16, elementwise_affine=False), act=torch.nn.functional.gelu)
+    weights = copy.deepcopy(model.state_dict())
+    # A norm without a weight has nothing to divide by s; GELU is not homogeneous: up -> down does not fold.
+    with pytest.raises(ValueError, match="no SmoothQuant pair folds exactly into Toy \\(up, down: reads no norm's "
+                                         "output, and no Linear's output folds into it\\)"):
+        smooth_quant(model, token_ids(seed=1) % 64)
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
 
 
 @pytest.mark.parametrize("mappings, message", [

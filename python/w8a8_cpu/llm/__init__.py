@@ -14,7 +14,6 @@ import importlib
 _EXPORTS = {
     "smooth_quant": "smoothquant",
     "SmoothingReport": "smoothquant",
-    "MAPPINGS": "smoothquant",
     "calibrate_static_activations": "static_activations",
     "save_compressed": "checkpoint",
     "load_quantized": "checkpoint",

@@ -10,12 +10,13 @@ in the op that produces it and multiplied back into the weight columns of every 
 the float model computes the same function while the activation becomes flatter and the (per-output-channel
 quantized) weights absorb part of its range. Run it on the float model, before `quantize_model`.
 
-Mappings: a sequence of (producer, consumers) pairs of module names relative to one decoder layer (an
-element of the model's `layers` ModuleList), e.g. ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")).
+Pairs: (producer, consumers) of module names relative to one decoder layer (an element of the model's `layers`
+(or `h`) ModuleList), e.g. ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")).
 
-- producer: a norm whose output is normalized(x) * weight (+ bias), e.g. RMSNorm or LayerNorm: its weight
-  and bias are divided by s; or a Linear: its output rows and bias are divided by s, which requires the
-  consumers to read its output through per-channel positively homogeneous ops only (attention-weighted
+- producer: a norm whose output is normalized(x) * weight (+ bias), or * (1 + weight) (+ bias) as in Gemma: its
+  weight and bias are divided by s (Gemma's: 1 + weight); or a Linear, or a block of its output rows (Phi-3's
+  fused qkv_proj: the v rows; gate_up_proj: the up half): those rows and their bias are divided by s, which
+  requires the consumers to read them through per-channel positively homogeneous ops only (attention-weighted
   sums of v, act(gate) * up, ReLU); or a fused-experts module named as its own only consumer: per expert e,
   the up half of gate_up_proj is divided by s_e and the columns of down_proj[e] are multiplied by it.
 - consumers: every module that reads the producer's output: Linears, modules with a 2-D [out, in] weight
@@ -24,15 +25,28 @@ element of the model's `layers` ModuleList), e.g. ("post_attention_layernorm", (
   attention: num_attention_heads heads reading num_key_value_heads); one scale is then shared by the
   o_proj channels that read the same v channel, and the statistics are taken over all of them.
 
-A pair applies to every layer that has its producer and all its consumers (so one table serves models that
-mix dense and MoE layers); a consumer left out while it reads the producer changes the function, which
-`SmoothingReport.logit_drift` shows.
+By default the pairs are derived from the model itself, not from its name: one short float forward records
+which norm's output each Linear, router and experts module reads (the same tensor, or a view of it) and which
+Linears ran before it; each candidate fold is then checked by running the layer alone, in fp32, with random
+positive scales folded in (its output must stay the same), which also tells a norm's weight convention and
+rejects non-homogeneous paths (gate -> down, q -> o). Layers of one structure share the verdict. Inputs no fold
+reaches stay as they are and are reported with the reason: OLMo 2 puts its norms after the projections, so
+q/k/v and gate/up read the residual stream with no norm in front; GPT-NeoX interleaves q/k/v per head, so
+no block of its fused rows is v.
+
+Explicit pairs (mappings=) apply to every layer that has the producer and all its consumers (so one list
+serves models that mix dense and MoE layers), with norm weights scaled as weight / s; a consumer left out while
+it reads the producer changes the function, which `SmoothingReport.logit_drift` shows.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,38 +54,14 @@ from ..nn import _expert_weights
 
 Mapping = Tuple[str, Sequence[str]]
 
-_ATTENTION: Tuple[Mapping, ...] = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("self_attn.v_proj", ("self_attn.o_proj",)),
-)
-_DENSE_MLP: Tuple[Mapping, ...] = (
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-    ("mlp.up_proj", ("mlp.down_proj",)),
-)
-# The router reads the same normalized input as the experts: its columns take s too, or routing changes.
-_ROUTED_EXPERTS: Tuple[Mapping, ...] = (
-    ("post_attention_layernorm", ("mlp.gate", "mlp.experts")),
-    ("mlp.experts", ("mlp.experts",)),
-)
-_SHARED_EXPERT_MOE: Tuple[Mapping, ...] = (
-    ("post_attention_layernorm", ("mlp.gate", "mlp.experts", "mlp.shared_expert.gate_proj",
-                                  "mlp.shared_expert.up_proj", "mlp.shared_expert_gate")),
-    ("mlp.experts", ("mlp.experts",)),
-    ("mlp.shared_expert.up_proj", ("mlp.shared_expert.down_proj",)),
-)
-# Qwen2-MoE and Qwen3-MoE may keep dense MLPs in some layers (mlp_only_layers, decoder_sparse_step).
-MAPPINGS = {
-    "llama": _ATTENTION + _DENSE_MLP,
-    "mistral": _ATTENTION + _DENSE_MLP,
-    "qwen2": _ATTENTION + _DENSE_MLP,
-    "qwen3": _ATTENTION + _DENSE_MLP,
-    "mixtral": _ATTENTION + _ROUTED_EXPERTS,
-    "qwen3_moe": _ATTENTION + _DENSE_MLP + _ROUTED_EXPERTS,
-    "qwen2_moe": _ATTENTION + _DENSE_MLP + _SHARED_EXPERT_MOE,
-}
-
 # Floor of both absmax statistics: keeps s finite and nonzero for dead channels and all-zero weight columns.
 _ABSMAX_FLOOR = 1e-5
+# Pair discovery runs the float model on this many tokens of the first calibration batch (one sequence).
+_DISCOVERY_TOKENS = 16
+# A candidate fold is checked in fp32 with scales exp(U(-1.5, 1.5)), 0.22 .. 4.5: a wrong fold moves what the
+# layer adds to its input by a good part of its size, a right one by rounding (~1e-6 of it).
+_CHECK_LOG_SCALE = 1.5
+_CHECK_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -87,21 +77,46 @@ class SmoothedInput:
 
 
 @dataclass(frozen=True)
+class NotSmoothed:
+    """Inputs of Linears (routers, experts) that no pair smooths, why, and the decoder layers where that holds."""
+
+    layers: Tuple[int, ...]
+    consumers: Tuple[str, ...]
+    reason: str
+
+
+def _layer_ranges(layers: Sequence[int]) -> str:
+    """(0, 1, 2, 5) -> '0-2, 5'."""
+    runs: List[List[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][-1] + 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}" for run in runs)
+
+
+@dataclass(frozen=True)
 class SmoothingReport:
     alpha: float
     tokens: int
+    discovery_seconds: float  # deriving the pairs (0 with explicit mappings)
     calibration_seconds: float  # forward passes of the float model with the statistics hooks
-    total_seconds: float  # calibration + scales + folding + the logit_drift forward
+    total_seconds: float  # discovery + calibration + scales + folding + the logit_drift forward
     logit_drift: float  # max |output after - before| / max |output before|, first calibration batch
     inputs: Tuple[SmoothedInput, ...]
+    not_smoothed: Tuple[NotSmoothed, ...]  # derived pairs only; explicit mappings are not analysed
 
     def __str__(self) -> str:
         lines = [f"SmoothQuant alpha={self.alpha}: {self.tokens} calibration tokens, "
-                 f"{self.calibration_seconds:.1f} s calibration, {self.total_seconds:.1f} s total, "
-                 f"logit drift {self.logit_drift:.1e}",
+                 f"{self.discovery_seconds:.1f} s pair discovery, {self.calibration_seconds:.1f} s calibration, "
+                 f"{self.total_seconds:.1f} s total, logit drift {self.logit_drift:.1e}",
                  "layer  outliers (max/median) before -> after  producer -> consumers"]
         lines += [f"{entry.layer:>5}  {entry.outlier_before:17.1f}x -> {entry.outlier_after:6.1f}x    "
                   f"{entry.producer} -> {', '.join(entry.consumers)}" for entry in self.inputs]
+        lines += ["not smoothed:"] * bool(self.not_smoothed)
+        lines += [f"  layers {_layer_ranges(entry.layers)}: {', '.join(entry.consumers)}: {entry.reason}"
+                  for entry in self.not_smoothed]
         return "\n".join(lines)
 
 
@@ -123,6 +138,24 @@ class _HeadGroups:
         return heads.expand(-1, self.groups, self.head_dim).reshape(-1)
 
 
+@dataclass(frozen=True)
+class _Pair:
+    """A (producer, consumers) pair relative to a decoder layer and how s folds into it: the consumers read
+    `groups` repeated heads of head_dim channels (groups 1: head_dim is every channel), made by the producer's
+    output rows from first_row on; a norm producer scales by (norm_offset + weight)."""
+
+    producer: str
+    consumers: Tuple[str, ...]
+    groups: int = 1
+    head_dim: int = 0
+    first_row: int = 0
+    norm_offset: float = 0.0
+
+    @property
+    def heads(self) -> _HeadGroups:
+        return _HeadGroups(self.groups, self.head_dim)
+
+
 def _input_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
     """The weight whose last dimension runs over the module's input channels."""
     experts = _expert_weights(module)
@@ -135,15 +168,27 @@ def _input_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
                      f"2-D [out, in] weight or a fused-experts module")
 
 
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A candidate norm producer: a 1-D weight (RMSNorm, LayerNorm, ...); the fold check tells what it computes."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 1
+
+
+def _is_consumer(module: torch.nn.Module) -> bool:
+    """A module whose input a fold can smooth: a 2-D weight (Linear, router) or fused experts."""
+    weight = getattr(module, "weight", None)
+    return _expert_weights(module) is not None or (isinstance(weight, torch.Tensor) and weight.dim() == 2
+                                                   and not isinstance(module, torch.nn.Embedding))
+
+
 def _producer_channels(module: torch.nn.Module, name: str) -> int:
     experts = _expert_weights(module)
     if experts is not None:
         return experts[1].shape[-1]
     if isinstance(module, torch.nn.Linear):
         return module.out_features
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
-        return weight.numel()
+    if _is_norm(module):
+        return module.weight.numel()
     raise ValueError(f"mappings: producer {name} ({type(module).__name__}) is not a norm with a 1-D weight, a "
                      f"Linear or a fused-experts module")
 
@@ -166,44 +211,51 @@ def _outlier_ratio(absmax_rows: torch.Tensor) -> float:
     return (absmax_rows.amax(dim=-1) / medians).max().item()
 
 
-def _scale_(tensor: torch.Tensor, factor: torch.Tensor) -> None:
-    """tensor *= factor (broadcast), computed in fp32 and rounded once to the tensor's dtype."""
-    tensor.copy_((tensor.float() * factor).to(tensor.dtype))
+def _scale_(tensor: torch.Tensor, factor: torch.Tensor, offset: float = 0.0) -> None:
+    """(tensor + offset) *= factor (broadcast), computed in fp32 and rounded once to the tensor's dtype."""
+    tensor.copy_(((tensor.float() + offset) * factor - offset).to(tensor.dtype))
+
+
+def _scale_shape(pair: _Pair, modules: dict) -> Tuple[int, ...]:
+    experts = _expert_weights(modules[pair.producer])
+    if experts is not None:
+        return tuple(experts[1].shape[::2])  # [E, I]: one s per expert
+    return (_input_weight(modules[pair.consumers[0]], pair.consumers[0]).shape[-1] // pair.groups,)
+
+
+def _fold(pair: _Pair, modules: dict, scale: torch.Tensor) -> None:
+    """Divides the producer's smoothed output channels by scale and multiplies the consumers' columns by it."""
+    producer = modules[pair.producer]
+    experts = _expert_weights(producer)
+    if experts is not None:
+        gate_up, down = experts
+        scale = scale.to(down.device)
+        _scale_(gate_up[:, gate_up.shape[1] // 2:, :], 1 / scale[:, :, None])
+        _scale_(down, scale[:, None, :])
+        return
+    scale = scale.to(producer.weight.device)
+    rows = slice(pair.first_row, pair.first_row + scale.numel())
+    if isinstance(producer, torch.nn.Linear):
+        _scale_(producer.weight[rows], 1 / scale[:, None])
+    else:
+        _scale_(producer.weight, 1 / scale, pair.norm_offset)
+    if getattr(producer, "bias", None) is not None:
+        _scale_(producer.bias[rows], 1 / scale)
+    for name in pair.consumers:
+        _scale_(_input_weight(modules[name], name), pair.heads.expand(scale))
 
 
 class _Site:
-    """One (producer, consumers) pair in one decoder layer: its calibration statistic, then its folding."""
+    """One pair in one decoder layer: its calibration statistic, then its folding."""
 
-    def __init__(self, layer: int, producer_name: str, consumer_names: Tuple[str, ...],
-                 modules: dict, head_dim: Optional[int]):
-        self.layer, self.producer_name, self.consumer_names = layer, producer_name, consumer_names
-        where = f"layer {layer}"
-        self.producer = modules[producer_name]
-        self.consumers = [modules[name] for name in consumer_names]
+    def __init__(self, layer: int, pair: _Pair, modules: dict):
+        self.layer, self.pair, self.modules = layer, pair, modules
+        self.producer = modules[pair.producer]
+        self.consumers = [modules[name] for name in pair.consumers]
         self.per_expert = _expert_weights(self.producer) is not None
-        if self.per_expert and consumer_names != (producer_name,):
-            raise ValueError(f"mappings: {where}: fused-experts producer {producer_name} must be its own only "
-                             f"consumer (up half of gate_up_proj -> down_proj), got {list(consumer_names)}")
-        produced = _producer_channels(self.producer, f"{where} {producer_name}")
+        self.x_absmax = torch.zeros(_scale_shape(pair, modules)) if self.per_expert else None
         if self.per_expert:
-            self.x_absmax = torch.zeros(_expert_weights(self.producer)[1].shape[0], produced)
             self.expert_seen = torch.zeros(self.x_absmax.shape[0], dtype=torch.bool)
-            return
-        read = {_input_weight(module, f"{where} {name}").shape[-1]
-                for name, module in zip(consumer_names, self.consumers)}
-        if len(read) != 1:
-            raise ValueError(f"mappings: {where}: consumers {list(consumer_names)} read different numbers of "
-                             f"input channels {sorted(read)}")
-        (consumed,) = read
-        if consumed == produced:
-            self.groups = _HeadGroups(1, produced)
-        elif head_dim and consumed % produced == 0 and produced % head_dim == 0:
-            self.groups = _HeadGroups(consumed // produced, head_dim)
-        else:
-            raise ValueError(f"mappings: {where}: {producer_name} makes {produced} channels but "
-                             f"{list(consumer_names)} read {consumed} (not whole repeated heads of "
-                             f"head_dim {head_dim})")
-        self.x_absmax = None
 
     def attach(self):
         """Registers the hook that records this site's input statistic; returns its handle."""
@@ -231,7 +283,7 @@ class _Site:
         """s over the producer's channels ([P], or [E, I] per expert), from the unsmoothed weights."""
         received = self.expert_seen.any().item() if self.per_expert else self.x_absmax is not None
         if not received:
-            raise ValueError(f"mappings: layer {self.layer}: {self.consumer_names[0]} received no calibration "
+            raise ValueError(f"mappings: layer {self.layer}: {self.pair.consumers[0]} received no calibration "
                              f"tokens")
         if self.per_expert:
             down_columns = _expert_weights(self.producer)[1].detach().abs().amax(dim=1).float().cpu()
@@ -239,80 +291,290 @@ class _Site:
             scale[~self.expert_seen] = 1.0  # no tokens, no statistic: leave that expert as it is
             return scale
         w_absmax = torch.stack([_channel_absmax(_input_weight(module, name)).cpu()
-                                for name, module in zip(self.consumer_names, self.consumers)]).amax(dim=0)
-        return _smoothing_scale(self.groups.reduce(self.x_absmax), self.groups.reduce(w_absmax), alpha)
+                                for name, module in zip(self.pair.consumers, self.consumers)]).amax(dim=0)
+        heads = self.pair.heads
+        return _smoothing_scale(heads.reduce(self.x_absmax), heads.reduce(w_absmax), alpha)
 
     def fold(self, scale: torch.Tensor) -> SmoothedInput:
-        """Divides the producer's output channels by scale and multiplies the consumers' columns by it."""
-        device = _input_weight(self.consumers[0], self.consumer_names[0]).device
+        _fold(self.pair, self.modules, scale)
         if self.per_expert:
-            gate_up, down = _expert_weights(self.producer)
-            up_rows = gate_up[:, gate_up.shape[1] // 2:, :]
-            _scale_(up_rows, 1 / scale.to(device)[:, :, None])
-            _scale_(down, scale.to(device)[:, None, :])
             seen = self.expert_seen
             before, after = self.x_absmax[seen], self.x_absmax[seen] / scale[seen]
         else:
-            producer_factor = (1 / scale).to(device)
-            if isinstance(self.producer, torch.nn.Linear):
-                _scale_(self.producer.weight, producer_factor[:, None])
-            else:
-                _scale_(self.producer.weight, producer_factor)
-            if getattr(self.producer, "bias", None) is not None:
-                _scale_(self.producer.bias, producer_factor)
-            consumer_factor = self.groups.expand(scale).to(device)
-            for name, module in zip(self.consumer_names, self.consumers):
-                _scale_(_input_weight(module, name), consumer_factor)
-            before = self.groups.reduce(self.x_absmax)
+            before = self.pair.heads.reduce(self.x_absmax)
             after = before / scale
-        return SmoothedInput(self.layer, self.producer_name, self.consumer_names,
-                             _outlier_ratio(before), _outlier_ratio(after))
+        return SmoothedInput(self.layer, self.pair.producer, self.pair.consumers, _outlier_ratio(before),
+                             _outlier_ratio(after))
 
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers")):
+        if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in ("layers", "h"):  # h: Falcon
             return module
-    raise ValueError(f"model: {type(model).__name__} has no ModuleList of decoder layers named 'layers'")
+    raise ValueError(f"model: {type(model).__name__} has no ModuleList of decoder layers named 'layers' or 'h'")
 
 
-def _resolve_mappings(model: torch.nn.Module, mappings: Optional[Sequence[Mapping]]) -> Tuple[Mapping, ...]:
-    if mappings is not None:
-        return tuple((producer, tuple(consumers)) for producer, consumers in mappings)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in MAPPINGS:
-        raise ValueError(f"model: architecture {model_type!r} has no built-in SmoothQuant mappings (supported: "
-                         f"{', '.join(sorted(MAPPINGS))}); pass mappings=[(producer, [consumers]), ...]")
-    return MAPPINGS[model_type]
-
-
-def _sites(model: torch.nn.Module, mappings: Tuple[Mapping, ...], every_pair_used: bool) -> list:
-    """The pairs that apply, layer by layer. every_pair_used (explicit mappings): a pair that matches no layer
-    is taken for a misspelt name; the built-in tables hold alternatives (dense / MoE layers) instead."""
+def _attention_heads(model: torch.nn.Module) -> Tuple[int, Optional[int]]:
+    """(query heads per key/value head, head_dim) from the model's config; (1, None) when it names none."""
     config = getattr(model, "config", None)
-    head_dim = getattr(config, "head_dim", None) or (
-        config.hidden_size // config.num_attention_heads if hasattr(config, "num_attention_heads") else None)
-    sites, used = [], set()
-    for index, layer in enumerate(_decoder_layers(model)):
-        modules = dict(layer.named_modules())
-        producers = set()
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return 1, None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads // (getattr(config, "num_key_value_heads", None) or heads), head_dim
+
+
+def _explicit_pair(producer: str, consumers: Tuple[str, ...], modules: dict, head_dim: Optional[int],
+                   where: str) -> _Pair:
+    if _expert_weights(modules[producer]) is not None:
+        if consumers != (producer,):
+            raise ValueError(f"mappings: {where}: fused-experts producer {producer} must be its own only "
+                             f"consumer (up half of gate_up_proj -> down_proj), got {list(consumers)}")
+        return _Pair(producer, consumers)
+    produced = _producer_channels(modules[producer], f"{where} {producer}")
+    read = {_input_weight(modules[name], f"{where} {name}").shape[-1] for name in consumers}
+    if len(read) != 1:
+        raise ValueError(f"mappings: {where}: consumers {list(consumers)} read different numbers of input "
+                         f"channels {sorted(read)}")
+    (consumed,) = read
+    if consumed == produced:
+        return _Pair(producer, consumers, head_dim=produced)
+    if head_dim and consumed % produced == 0 and produced % head_dim == 0:
+        return _Pair(producer, consumers, consumed // produced, head_dim)
+    raise ValueError(f"mappings: {where}: {producer} makes {produced} channels but {list(consumers)} read "
+                     f"{consumed} (not whole repeated heads of head_dim {head_dim})")
+
+
+def _explicit_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList,
+                    mappings: Sequence[Mapping]) -> List[List[_Pair]]:
+    """The given pairs that apply, layer by layer; one that matches no layer is taken for a misspelt name."""
+    mappings = [(producer, tuple(consumers)) for producer, consumers in mappings]
+    _, head_dim = _attention_heads(model)
+    layer_pairs, used = [], set()
+    for index, layer in enumerate(layers):
+        modules, pairs = dict(layer.named_modules()), []
         for producer, consumers in mappings:
             if producer not in modules or any(name not in modules for name in consumers):
                 continue
-            if producer in producers:
+            if any(pair.producer == producer for pair in pairs):
                 raise ValueError(f"mappings: layer {index}: two pairs apply to producer {producer}; list all "
                                  f"its consumers in one pair")
-            producers.add(producer)
             used.add((producer, consumers))
-            sites.append(_Site(index, producer, consumers, modules, head_dim))
+            pairs.append(_explicit_pair(producer, consumers, modules, head_dim, f"layer {index}"))
+        layer_pairs.append(pairs)
     unused = [pair for pair in mappings if pair not in used]
-    if not sites or (every_pair_used and unused):
+    if unused or not any(layer_pairs):
         raise ValueError(f"mappings: these pairs match no decoder layer (a producer or consumer name missing "
                          f"there): {unused}")
-    return sites
+    return layer_pairs
 
 
-def _batches(calibration):
+def _signature(layer: torch.nn.Module) -> tuple:
+    """A layer's structure: layers with equal signatures fold the same way."""
+    return tuple((name, type(module).__name__, tuple(tuple(p.shape) for p in module.parameters(recurse=False)))
+                 for name, module in layer.named_modules())
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same values in the same memory: b is a (reshaped) view of a."""
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel() and a.shape[-1] == b.shape[-1]
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+class _LayerRecord:
+    """One decoder layer during the discovery forward: its call (to run it again alone), the outputs of its
+    norms and Linears, and the inputs of its Linears, routers and experts, each with its place in call order."""
+
+    def __init__(self, index: int, layer: torch.nn.Module):
+        self.index, self.layer, self.modules = index, layer, dict(layer.named_modules())
+        self.call, self.input, self.made, self.read, self.clock = None, None, {}, {}, itertools.count()
+
+    def attach(self) -> list:
+        handles = [self.layer.register_forward_pre_hook(self._record_call, with_kwargs=True)]
+        for name, module in self.modules.items():
+            if name and (_is_norm(module) or isinstance(module, torch.nn.Linear)):
+                handles.append(module.register_forward_hook(partial(self._record_output, name)))
+            if name and _is_consumer(module):
+                handles.append(module.register_forward_pre_hook(partial(self._record_input, name),
+                                                                with_kwargs=True))
+        return handles
+
+    def _record_call(self, layer, args, kwargs):
+        if self.call is None:
+            self.call, self.input = (args, kwargs), args[0] if args else kwargs["hidden_states"]
+
+    def _record_output(self, name, module, args, output):
+        if name not in self.made and isinstance(output, torch.Tensor):
+            self.made[name] = (next(self.clock), output)
+
+    def _record_input(self, name, module, args, kwargs):
+        inputs = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        if name not in self.read and inputs:
+            self.read[name] = (next(self.clock), inputs[0])
+
+    def run(self) -> torch.Tensor:
+        """The layer's output for its recorded call, in fp32 (see _checked_in_fp32)."""
+        args, kwargs = _to_fp32(self.call)
+        return _first_tensor(self.layer(*args, **kwargs))
+
+
+def _to_fp32(value):
+    """value with its 16-bit floating tensors (also inside tuples, lists and dicts) in fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.element_size() < 4 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_fp32(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_fp32(item) for key, item in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _checked_in_fp32(layer: torch.nn.Module):
+    """The layer's 16-bit parameters and buffers in fp32 meanwhile, restored exactly after (bf16 and fp16 are
+    subsets of fp32): in bf16 the rounding of a right fold (~1e-2) would hide the small error of a wrong one
+    (silu(gate / s) * s is nearly silu(gate) for small gates). The layer takes twice its memory meanwhile."""
+    tensors = [tensor for tensor in itertools.chain(layer.parameters(), layer.buffers())
+               if tensor.is_floating_point() and tensor.element_size() < 4]
+    dtypes = [tensor.dtype for tensor in tensors]
+    for tensor in tensors:
+        tensor.data = tensor.data.float()
+    try:
+        yield
+    finally:
+        for tensor, dtype in zip(tensors, dtypes):
+            tensor.data = tensor.data.to(dtype)
+
+
+def _derive_layer(record: _LayerRecord, kv_groups: int, head_dim: Optional[int]):
+    """The pairs that fold exactly in one layer, and {consumer: why not} for the inputs none reaches."""
+    with _checked_in_fp32(record.layer):
+        return _fold_exactly(record, kv_groups, head_dim)
+
+
+def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int]):
+    modules, generator = record.modules, torch.Generator().manual_seed(0)
+    reference = record.run()
+    layer_input = _to_fp32(record.input)
+    # Relative to what the layer adds to the residual stream, which a tiny random model keeps small.
+    update = reference - layer_input if reference.shape == layer_input.shape else reference
+    bound = _CHECK_TOLERANCE * update.abs().max().item()
+
+    def change_after_fold(pair: _Pair) -> float:
+        saved = [(param, param.detach().clone()) for name in {pair.producer, *pair.consumers}
+                 for param in modules[name].parameters(recurse=False)]
+        scale = torch.empty(_scale_shape(pair, modules)).uniform_(-_CHECK_LOG_SCALE, _CHECK_LOG_SCALE,
+                                                                  generator=generator).exp()
+        try:
+            _fold(pair, modules, scale)
+            change = (record.run() - reference).abs().max().item()
+        finally:
+            for param, value in saved:
+                param.copy_(value)
+        return math.inf if math.isnan(change) else change
+
+    def best_fold(candidates: Iterable[_Pair]) -> Optional[_Pair]:
+        """The candidate that changes the output least, if that is rounding only: of two near-homogeneous paths
+        (up -> down, and gate -> down with small gates) the exact one wins."""
+        change, pair = min(((change_after_fold(pair), pair) for pair in candidates), key=lambda item: item[0],
+                           default=(math.inf, None))
+        return pair if change <= bound else None
+
+    pairs, why_not = [], {}
+    for norm, (_, output) in record.made.items():
+        readers = tuple(name for name, (_, read) in record.read.items() if _same_tensor(output, read))
+        if not _is_norm(modules[norm]) or not readers:
+            continue
+        misfits = [name for name in readers if _input_weight(modules[name], name).shape[-1] != output.shape[-1]]
+        pair = None if misfits else best_fold(_Pair(norm, readers, head_dim=output.shape[-1], norm_offset=offset)
+                                              for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
+        if pair:
+            pairs.append(pair)
+        else:
+            why = f"the weight of {', '.join(misfits)} is not [out, in]" if misfits else \
+                f"no fold into {norm} keeps the layer's output"
+            why_not.update({name: f"reads {norm}'s output, but {why}" for name in readers})
+    for name, (read_at, read) in record.read.items():
+        if name in why_not or any(name in pair.consumers for pair in pairs):
+            continue
+        is_experts = _expert_weights(modules[name]) is not None  # reads a norm's output or nothing foldable
+        pair = None if is_experts else best_fold(_linear_candidates(record, name, read_at, kv_groups, head_dim))
+        if pair:
+            pairs.append(pair)
+        elif _same_tensor(record.input, read):
+            why_not[name] = "reads the layer input (the residual stream): no norm in front"
+        else:
+            why_not[name] = "reads no norm's output, and no Linear's output folds into it"
+    for name in record.read:  # each expert's up rows -> its down_proj
+        if _expert_weights(modules[name]) is not None:
+            if best_fold([_Pair(name, (name,))]):
+                pairs.append(_Pair(name, (name,)))
+            else:
+                why_not[f"{name} (down_proj)"] = "act(gate) * up does not fold into the up rows"
+    pairs.sort(key=lambda pair: record.read[pair.consumers[0]][0])  # call order, as the layer runs
+    return pairs, why_not
+
+
+def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_groups: int,
+                       head_dim: Optional[int]) -> Iterator[_Pair]:
+    """The Linears that ran before the consumer, each block of their output rows (at a multiple of its width)
+    that the consumer could read once (groups 1) or as key/value heads repeated for the query heads."""
+    consumed = _input_weight(record.modules[consumer], consumer).shape[-1]
+    for producer, (made_at, _) in record.made.items():
+        module = record.modules[producer]
+        if not isinstance(module, torch.nn.Linear) or made_at > read_at:
+            continue
+        for groups in sorted({1, kv_groups}):
+            width = consumed // groups
+            if consumed % groups or (groups > 1 and width % head_dim):
+                continue
+            for first_row in range(0, module.out_features - width + 1, width):
+                yield _Pair(producer, (consumer,), groups, head_dim if groups > 1 else width, first_row)
+
+
+def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList,
+                   sample: torch.Tensor) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
+    """The pairs that fold exactly, layer by layer, from one forward of sample (module docstring), and the
+    inputs no pair smooths, grouped by reason over the layers."""
+    signatures = [_signature(layer) for layer in layers]
+    records = {}
+    for index, (layer, signature) in enumerate(zip(layers, signatures)):
+        records.setdefault(signature, _LayerRecord(index, layer))
+    handles = [handle for record in records.values() for handle in record.attach()]
+    # Without a KV cache: running a layer again must not append to the cache its recorded call holds.
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    try:
+        model(sample, **no_cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    kv_groups, head_dim = _attention_heads(model)
+    verdicts = {}
+    for signature, record in records.items():
+        if record.call is None:
+            raise ValueError(f"model: decoder layer {record.index} did not run in a forward of the model")
+        verdicts[signature] = _derive_layer(record, kv_groups, head_dim)
+    left_out = {}  # (consumers, reason) -> layers
+    for index, signature in enumerate(signatures):
+        by_reason = {}
+        for name, reason in verdicts[signature][1].items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            left_out.setdefault((tuple(names), reason), []).append(index)
+    not_smoothed = tuple(NotSmoothed(tuple(indices), names, reason)
+                         for (names, reason), indices in left_out.items())
+    layer_pairs = [verdicts[signature][0] for signature in signatures]
+    if not any(layer_pairs):
+        found = "; ".join(f"{', '.join(entry.consumers)}: {entry.reason}" for entry in not_smoothed)
+        raise ValueError(f"model: no SmoothQuant pair folds exactly into {type(model).__name__} "
+                         f"({found or 'no Linear inputs'}); pass mappings=[(producer, [consumers]), ...]")
+    return layer_pairs, not_smoothed
+
+
+def _batches(calibration) -> Iterator[torch.Tensor]:
     for batch in [calibration] if isinstance(calibration, torch.Tensor) else calibration:
         if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.dtype.is_floating_point \
                 or batch.numel() == 0:
@@ -336,44 +598,57 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
     calibration: token ids [B, T] or an iterable of such batches, run through the float model to collect
     each smoothed input's per-channel absmax. alpha in [0, 1]: the share of the outliers moved to the
     weights. mappings: (producer, consumers) pairs relative to a decoder layer (see the module docstring);
-    by default the table for model.config.model_type (MAPPINGS). Call before quantize_model.
+    by default derived from the model, on the first 16 tokens of the first batch, and the report lists the
+    inputs left as they are (not_smoothed) with why. Call before quantize_model.
 
     Statistics: an input read by an MoE block (router, shared expert, all experts) is measured over every
     token reaching the block, because the norm in front of it has one scale per channel for all of them
     and the router and shared expert read every token; down_proj[e]'s input is measured over the tokens
     routed to expert e, since each expert gets its own s_e. Experts without calibration tokens keep s = 1.
 
-    Cost: one float forward over the calibration tokens with light hooks (MoE layers also recompute each
-    expert's gate_up for its tokens, about doubling the expert work), elementwise folds over the smoothed
-    weights, and one forward of the first batch to measure logit_drift. Returns a SmoothingReport."""
+    Cost: the pair discovery (a 16-token forward, then each distinct layer structure run alone once per
+    candidate fold: tens of single-layer runs on 16 tokens), one float forward over the calibration tokens
+    with light hooks (MoE layers also recompute each expert's gate_up for its tokens, about doubling the
+    expert work), elementwise folds over the smoothed weights, and one forward of the first batch to measure
+    logit_drift. Returns a SmoothingReport."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
-    sites = _sites(model, _resolve_mappings(model, mappings), every_pair_used=mappings is not None)
+    layers = _decoder_layers(model)
+    batches = _batches(calibration)
+    first_batch = next(batches, None)
+    if first_batch is None:
+        raise ValueError("calibration: no batches")
     device = next(model.parameters()).device
+    first_batch = first_batch.to(device)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
+        if mappings is None:
+            layer_pairs, not_smoothed = _derived_pairs(model, layers, first_batch[:1, :_DISCOVERY_TOKENS])
+        else:
+            layer_pairs, not_smoothed = _explicit_pairs(model, layers, mappings), ()
+        discovery_seconds = time.perf_counter() - start
+        sites = [_Site(index, pair, dict(layers[index].named_modules()))
+                 for index, pairs in enumerate(layer_pairs) for pair in pairs]
         handles = [site.attach() for site in sites]
-        tokens, first_batch, output_before = 0, None, None
+        tokens, output_before = 0, None
         try:
-            for batch in _batches(calibration):
+            for batch in itertools.chain([first_batch], batches):
                 output = _output_tensor(model(batch.to(device)))
-                if first_batch is None:
-                    first_batch, output_before = batch.to(device), output.float()
+                output_before = output.float() if output_before is None else output_before
                 tokens += batch.numel()
         finally:
             for handle in handles:
                 handle.remove()
-        if first_batch is None:
-            raise ValueError("calibration: no batches")
-        calibration_seconds = time.perf_counter() - start
+        calibration_seconds = time.perf_counter() - start - discovery_seconds
         scales = [site.scales(alpha) for site in sites]  # all from the unsmoothed weights: order-independent
         inputs = tuple(site.fold(scale) for site, scale in zip(sites, scales))
         output_after = _output_tensor(model(first_batch)).float()
     finally:
         model.train(was_training)
     drift = ((output_after - output_before).abs().max() / output_before.abs().max().clamp(min=1e-30)).item()
-    return SmoothingReport(alpha, tokens, calibration_seconds, time.perf_counter() - start, drift, inputs)
+    return SmoothingReport(alpha, tokens, discovery_seconds, calibration_seconds, time.perf_counter() - start,
+                           drift, inputs, not_smoothed)
 
-__all__ = ["smooth_quant", "SmoothingReport", "SmoothedInput", "MAPPINGS"]
+__all__ = ["smooth_quant", "SmoothingReport", "SmoothedInput", "NotSmoothed"]

@@ -20,16 +20,18 @@ def quantize(*argv, timeout=900):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
-def tiny_checkpoint(directory: Path) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer (from the test cache), saved as a transformers checkpoint."""
+def tiny_checkpoint(directory: Path, config=None) -> Path:
+    """A tiny random Llama (or `config`'s model) with SmolLM2's tokenizer (from the test cache), saved as a
+    transformers checkpoint."""
     import transformers
 
     from w8a8_cpu.llm import smollm2
 
     source = smollm2.ensure_cache()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = config or transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=True)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     transformers.AutoTokenizer.from_pretrained(source).save_pretrained(directory)
     return directory
@@ -65,6 +67,23 @@ def test_quantize_command_searches_alpha_and_writes_a_servable_directory(tmp_pat
     assert "static per-tensor activations with zero points" in (tmp_path / "static" / "README.md").read_text()
     layers = [m for m in load_quantized(tmp_path / "static").modules() if isinstance(m, W8A8Linear)]
     assert layers and {m.activation_scheme for m in layers} == {"tensor-asymmetric"}
+
+
+def test_quantize_command_says_when_smoothquant_cannot_run(tmp_path):
+    """GPT-2 (Conv1D weights, GELU MLP) has nothing SmoothQuant can fold: one line naming the way out, exit 2, no
+    traceback; --smoothquant none quantizes it."""
+    _require_model()
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4)
+    source = tiny_checkpoint(tmp_path / "gpt2", config)
+    r = quantize(source, tmp_path / "out", "--smoothquant", "0.5", "--calibration-tokens", "64",
+                 "--held-out-tokens", "64")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "quantize: SmoothQuant cannot run on this model" in r.stderr and "--smoothquant none" in r.stderr
+    r = quantize(source, tmp_path / "out", "--smoothquant", "none", "--calibration-tokens", "64",
+                 "--held-out-tokens", "64")
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):

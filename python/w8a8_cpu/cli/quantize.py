@@ -117,7 +117,19 @@ def _held_out(models: Dict[str, torch.nn.Module], ids: torch.Tensor) -> Dict[str
     return evaluate.compare_on_text(models, "float", ids, window, max(1, window // 2))
 
 
+class CommandError(Exception):
+    """A problem of the model or the options found while working: one line on stderr, exit status 2."""
+
+
 def run(args, parser) -> int:
+    try:
+        return _run(args, parser)
+    except CommandError as e:
+        print(f"quantize: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, parser) -> int:
     check_arguments(args, parser)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never the network
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -148,7 +160,11 @@ def run(args, parser) -> int:
         """A quantized copy of the float model, smoothed first with alpha (None: not); `model` stays float."""
         candidate = copy.deepcopy(model)
         if alpha is not None:
-            smooth_quant(candidate, calibration, alpha=alpha)
+            try:
+                smooth_quant(candidate, calibration, alpha=alpha)
+            except ValueError as e:
+                raise CommandError(f"SmoothQuant cannot run on this model: {e}; quantize without it: "
+                                   f"--smoothquant none") from None
         quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size, symmetric=True)
         if args.activations != "dynamic":
             calibrate_static_activations(candidate, calibration, symmetric=args.activations == "static")

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
+from . import _calibration
 from .._functions import (_gather_rows, _verified_panels, fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
                           pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
                           unpack_weight, weight_scheme)
@@ -130,11 +131,12 @@ class W4A8Linear(W8A8Linear):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
-                    min_max: bool = False) -> "W4A8Linear":
-        """Round-to-nearest int4 of the float weight per group (quantize_weight_int4)."""
+                    min_max: bool = False, hessian: Optional[torch.Tensor] = None) -> "W4A8Linear":
+        """int4 of the float weight per group (quantize_weight_int4): round-to-nearest, or GPTQ with the hessian
+        (sum of x x^T over the layer's calibration inputs x, [K, K])."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
-        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
+        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max, hessian)
         return cls(q, scale, minimum, group_size, linear.bias)
 
     def int8_weight(self) -> torch.Tensor:
@@ -505,7 +507,8 @@ SCHEMES = ("w8a8", "w4a8")
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
                    fuse: bool = False, scheme: str = "w8a8", group_size: int = 32,
-                   symmetric: bool = True, min_max: bool = False) -> torch.nn.Module:
+                   symmetric: bool = True, min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
+                   on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
@@ -514,6 +517,12 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     an output layer
     that shares its table with the int8 embedding (quantize_embedding=True), which stays W8A8. MoE experts stay W8A8
     (fused_experts takes int8 experts).
+
+    calibration (scheme="w4a8"): round the int4 layers with GPTQ instead of to nearest. Model inputs (token ids
+    [B, T]), an iterable of such batches, or a callable(model) that runs the model (inputs of another form); one run
+    of the float model records each int4 layer's input second moment (its Hessian), and each layer is then rounded
+    by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is called after
+    each of the n layers GPTQ rounds (a progress bar: ~0.1 s per 1000 weight columns).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.
@@ -535,6 +544,9 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     resize_token_embeddings) raises ValueError."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if calibration is not None and scheme != "w4a8":
+        raise ValueError(f"calibration: GPTQ rounding is for int4 weights (scheme='w4a8'); scheme {scheme!r} rounds "
+                         f"to nearest")
     if isinstance(skip, str):
         skip = [skip]
     embedding = _input_embedding(model) if quantize_embedding else None
@@ -546,6 +558,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     for name, p in _all_named_parameters(model):
         holders.setdefault(id(p), []).append(name)
     shares_embedding = None  # the W8A8Linear tied to the embedding, which the int8 embedding reads
+    chosen: Dict[torch.nn.Module, Tuple[List[str], bool]] = {}  # what is quantized: its names, tied to the embedding
+    int4: Dict[torch.nn.Linear, str] = {}  # the Linear layers that become W4A8Linear, by their first name
     for module, names in places.items():
         if any(_skipped(skip, name, module) for name in names):
             continue
@@ -558,10 +572,18 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                 warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets "
                               f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
                               f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
+        chosen[module] = names, tied_to_embedding
+        if scheme == "w4a8" and not tied_to_embedding and isinstance(module, torch.nn.Linear):
+            int4[module] = names[0]
+    # measured on the float model before any layer is replaced
+    hessians = _calibration.hessians(model, int4, calibration) if calibration is not None else {}
+    for module, (names, tied_to_embedding) in chosen.items():
         if not isinstance(module, torch.nn.Linear):
             replacement = W8A8Experts.from_experts(module)
-        elif scheme == "w4a8" and not tied_to_embedding:
-            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
+        elif module in int4:
+            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max, hessians.pop(module, None))
+            if calibration is not None and on_layer is not None:
+                on_layer(len(int4) - len(hessians), len(int4))
         else:
             replacement = W8A8Linear.from_linear(module)
         if tied_to_embedding:

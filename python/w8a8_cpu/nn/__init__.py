@@ -131,12 +131,12 @@ class W4A8Linear(W8A8Linear):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
-                    min_max: bool = False, hessian: Optional[torch.Tensor] = None) -> "W4A8Linear":
-        """int4 of the float weight per group (quantize_weight_int4): round-to-nearest, or GPTQ with the hessian
-        (sum of x x^T over the layer's calibration inputs x, [K, K])."""
+                    min_max: bool = False) -> "W4A8Linear":
+        """Round-to-nearest int4 of the float weight per group (quantize_weight_int4; quantize_model with calibration
+        rounds with GPTQ)."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
-        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max, hessian)
+        q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
         return cls(q, scale, minimum, group_size, linear.bias)
 
     def int8_weight(self) -> torch.Tensor:
@@ -575,15 +575,16 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
         chosen[module] = names, tied_to_embedding
         if scheme == "w4a8" and not tied_to_embedding and isinstance(module, torch.nn.Linear):
             int4[module] = names[0]
-    # measured on the float model before any layer is replaced
-    hessians = _calibration.hessians(model, int4, calibration) if calibration is not None else {}
+    # GPTQ measures on the float model, before any layer is replaced
+    gptq = _calibration.gptq_int4(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
+        if calibration is not None else {}
     for module, (names, tied_to_embedding) in chosen.items():
         if not isinstance(module, torch.nn.Linear):
             replacement = W8A8Experts.from_experts(module)
+        elif module in gptq:
+            replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias)
         elif module in int4:
-            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max, hessians.pop(module, None))
-            if calibration is not None and on_layer is not None:
-                on_layer(len(int4) - len(hessians), len(int4))
+            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
         else:
             replacement = W8A8Linear.from_linear(module)
         if tied_to_embedding:

@@ -348,8 +348,8 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     except RuntimeError as e:  # torch.linalg.LinAlgError
         raise ValueError(f"hessian: not positive semi-definite (no Cholesky factor after dampening): {e}") from None
     u = torch.linalg.solve_triangular(r, torch.eye(k_padded, dtype=torch.float64), upper=True).to(torch.float32)
-    # Columns as contiguous rows: each step reads and updates whole rows (an [N, 1] column slice takes a slow path in
-    # elementwise kernels, ~100x slower at N = 3072).
+    # Columns as contiguous rows: each step reads one row and updates whole rows (~25% less time per column than on
+    # strided column slices).
     t = w.T.contiguous()
     q = torch.empty_like(t)
     scales, minimums = [], []

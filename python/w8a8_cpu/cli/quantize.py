@@ -3,7 +3,8 @@
 Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
 bundled one, the Apache License 2.0 text), keeps its last --held-out-tokens for the report, runs SmoothQuant on the
 rest (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
-held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float), and writes OUT_DIR:
+held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; W4A8 rounds with GPTQ on the
+calibration tokens unless --rounding rtn), and writes OUT_DIR:
 config.json with the compressed-tensors quantization_config, the weights (sharded with --max-shard-size), the
 tokenizer files, generation_config.json, and README.md with what was done and the held-out perplexity before and
 after. Every file is readable by other users. vLLM serves the directory as it is; load_quantized reads it back."""
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compressed-tensors stores)")
     parser.add_argument("--group-size", type=int, default=32, help="W4A8 group size along K (default 32; 0: per "
                         "channel)")
+    parser.add_argument("--rounding", choices=("gptq", "rtn"), default=None,
+                        help="W4A8 weight rounding: gptq (default: minimizes each layer's output error on the "
+                             "calibration tokens) or rtn (round to nearest)")
     parser.add_argument("--smoothquant", type=smoothquant_option, default="search", metavar="ALPHA|search|none",
                         help=f"SmoothQuant migration strength, 'search' (default: each of {SEARCH_ALPHAS}, the "
                              f"lowest KL to the float model on the held-out tokens) or 'none'")
@@ -88,6 +92,8 @@ def check_arguments(args, parser) -> None:
         parser.error(f"--calibration {args.calibration}: not a file")
     if args.group_size < 0 or (args.group_size and (args.group_size < 32 or args.group_size & (args.group_size - 1))):
         parser.error(f"--group-size {args.group_size}: expected 0 (per channel) or a power of two >= 32")
+    if args.rounding is not None and args.scheme != "w4a8":
+        parser.error(f"--rounding {args.rounding}: applies to --scheme w4a8 (int8 weights round to nearest)")
     if Path(args.out_dir).resolve() == model_dir.resolve():
         parser.error("OUT_DIR must differ from MODEL_DIR (its weight files would be replaced)")
 
@@ -131,6 +137,7 @@ def run(args, parser) -> int:
         return 2
     ids = _tokens(tokenizer, args.calibration, args.calibration_tokens + args.held_out_tokens)
     calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
+    rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None
     t0 = time.perf_counter()
 
     def quantized(alpha: Optional[float]) -> torch.nn.Module:
@@ -139,7 +146,8 @@ def run(args, parser) -> int:
         if alpha is not None:
             smooth_quant(candidate, calibration, alpha=alpha)
         return quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size,
-                              symmetric=True)
+                              symmetric=True, calibration=calibration if rounding == "gptq" else None,
+                              on_layer=lambda i, n: progress.update(f"GPTQ rounding, layer {i}/{n}"))
 
     def held_out_scores(candidate: torch.nn.Module) -> Dict[str, dict]:
         return _held_out({"float": model, "quantized": candidate}, held_out)
@@ -170,6 +178,7 @@ def run(args, parser) -> int:
     out = Path(args.out_dir)
     save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
     report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,
+              "rounding": rounding,
               "smoothquant_alpha": alpha, "search": search, "calibration": str(args.calibration),
               "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),
               "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
@@ -189,16 +198,22 @@ def _float_layers(model: torch.nn.Module) -> List[str]:
 def summary(r: dict) -> str:
     alpha = "none" if r["smoothquant_alpha"] is None else f"{r['smoothquant_alpha']}"
     change = 100.0 * (r["quantized_ppl"] / r["float_ppl"] - 1.0)
-    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}, SmoothQuant alpha {alpha}; held-out perplexity "
-            f"{r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL {r['kl']:.4f}, "
-            f"top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; {r['seconds']:.0f} s")
+    rounding = f" ({r['rounding'].upper()} rounding)" if r["rounding"] else ""
+    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}{rounding}, SmoothQuant alpha {alpha}; held-out "
+            f"perplexity {r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL "
+            f"{r['kl']:.4f}, top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; "
+            f"{r['seconds']:.0f} s")
+
+
+_ROUNDING = {"gptq": "rounded with GPTQ on the calibration tokens", "rtn": "rounded to nearest"}
 
 
 def readme(r: dict) -> str:
     lines = [f"# {Path(r['model_dir']).name}, {r['scheme'].upper()} (w8a8-cpu)", "",
              f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: int8 dynamic per-token "
              f"activations; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
-                                         f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric") +
+                                         f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric, "
+                                         f"{_ROUNDING[r['rounding']]}") +
              ". compressed-tensors format: vLLM serves this directory; `w8a8_cpu.llm.load_quantized` reads it.", "",
              f"- SmoothQuant alpha: {'none' if r['smoothquant_alpha'] is None else r['smoothquant_alpha']}"
              f"{' (searched)' if r['search'] else ''}",

@@ -506,8 +506,8 @@ SCHEMES = ("w8a8", "w4a8")
 
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
-                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32,
-                   symmetric: bool = True, min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
+                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32, symmetric: bool = True,
+                   min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
                    on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.

@@ -6,7 +6,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
-from w8a8_cpu.nn import W4A8Linear, quantize_model
+from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
 
@@ -126,3 +126,40 @@ def test_calibration_callable_and_progress(gen):
     quantize_model(model, scheme="w4a8", calibration=lambda m: m(x), on_layer=lambda i, n: seen.append((i, n)))
     assert seen == [(1, 2), (2, 2)]
     assert all(isinstance(m, W4A8Linear) for m in (model[0], model[2]))
+
+
+class TwoHeads(torch.nn.Module):
+    """Two layers reading one input tensor (as q/k/v do), a third reading another."""
+
+    def __init__(self, shared_input: bool = True):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(64, 40), torch.nn.Linear(64, 24), torch.nn.Linear(64, 8)
+        self.shared_input = shared_input
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        other = x if self.shared_input or self.calls == 1 else x.clone()  # the second call breaks the sharing
+        return torch.cat([self.a(x), self.b(other), self.c(x * 2)], dim=-1)
+
+
+def test_layers_reading_one_input_share_its_second_moment(gen):
+    """a and b read the same tensor: rounded as one matrix with one H, each gets exactly the rows GPTQ gives it on
+    its own with that H (GPTQ treats rows independently)."""
+    x = correlated_inputs(gen, 200, 64)
+    probe = TwoHeads()
+    moments = _calibration.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
+    assert [readers for _, readers in moments] == [[probe.a, probe.b], [probe.c]]
+    torch.testing.assert_close(moments[0][0], x.T @ x, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(moments[1][0], 4 * x.T @ x, rtol=1e-5, atol=1e-3)
+    torch.manual_seed(0)
+    reference_model = TwoHeads()
+    torch.manual_seed(0)
+    model = quantize_model(TwoHeads(), scheme="w4a8", group_size=32, symmetric=False, calibration=x)
+    for name in ("a", "b"):
+        want = w8a8_cpu.quantize_weight_int4(getattr(reference_model, name).weight, 32, False, hessian=x.T @ x)
+        got = getattr(model, name).int4_weight()
+        assert torch.equal(got[0], want[0]), name
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="calibration: b read the input of a in one model call but not in another"):
+        quantize_model(TwoHeads(shared_input=False), scheme="w4a8", calibration=[x[:100], x[100:]])

@@ -339,7 +339,7 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     # An input that is 0 in every calibration row has no curvature: a unit diagonal (no cross terms) rounds its
     # column to nearest and feeds it no error, instead of GPTQ's zeroing of the weight an unseen input would need.
     diagonal[diagonal == 0] = 1.0
-    diagonal += damping * diagonal.mean()  # keeps H invertible and the updates bounded (GPTQ's 1% dampening)
+    diagonal += damping * diagonal.mean()  # keeps H invertible and the updates bounded
     try:
         # H = R R^T with R upper triangular (the Cholesky factor of H with rows and columns reversed, reversed back),
         # so H^-1 = U^T U with U = R^-1: GPTQ's upper Cholesky factor of H^-1 without forming H^-1 first
@@ -373,7 +373,7 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
 
 
 def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True, min_max: bool = False,
-                         hessian: Optional[torch.Tensor] = None, damping: float = 0.01
+                         hessian: Optional[torch.Tensor] = None, damping: float = 0.1
                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """int4 quantization of a float [N, K] weight per group of group_size consecutive k (0: one group per channel) ->
     (q int8 [N, K] in [-8, 7], scale fp32 [N, groups], min fp32 [N, groups] or None), such that w ~ scale * q + min per
@@ -391,7 +391,9 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     positive multiple gives the same result): GPTQ, which minimizes the layer's output error on those inputs instead
     of the weight's: each column rounded on its group's grid (the rule above, the grid taken from the weights as
     GPTQ has updated them when the group starts), its error fed into the columns after it; damping times the mean
-    diagonal is added to H first."""
+    diagonal is added to H first. The default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a
+    small model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after
+    SmoothQuant, 1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")

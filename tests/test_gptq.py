@@ -1,0 +1,165 @@
+"""GPTQ rounding of int4 weights (quantize_weight_int4 with a hessian, quantize_model(scheme="w4a8", calibration=...)):
+lower output error than round-to-nearest on correlated inputs for every int4 form, layers that run exactly the int4
+values they hold, bounded group scales, and calibration input refused with errors that name it."""
+import pytest
+import torch
+
+import w8a8_cpu
+from w8a8_cpu import reference
+from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
+
+FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
+
+
+def correlated_inputs(gen, rows, k):
+    """Activations like a model's: channels of very different size, mixed so that they correlate."""
+    mixing = torch.eye(k) + torch.randn(k, k, generator=gen) / k ** 0.5
+    return (torch.randn(rows, k, generator=gen) * (torch.rand(k, generator=gen) * 4 + 0.1)) @ mixing
+
+
+def stack(seed=0):
+    """A small float model; the same weights for the same seed."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(192, 160), torch.nn.GELU(), torch.nn.Linear(160, 96)).eval()
+
+
+def dequantized(layer: W4A8Linear) -> torch.Tensor:
+    q, scale, minimum, group = layer.int4_weight()
+    which = torch.arange(q.shape[1]) // group
+    return q.float() * scale[:, which] + (0 if minimum is None else minimum[:, which])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gptq_has_lower_output_error_than_round_to_nearest(gen, form):
+    symmetric, min_max = FORMS[form]
+    model = stack()
+    calibration, held_out = correlated_inputs(gen, 1024, 192).split(512)  # one distribution
+    options = dict(scheme="w4a8", group_size=32, symmetric=symmetric, min_max=min_max)
+    rtn = quantize_model(stack(), **options)
+    gptq = quantize_model(stack(), calibration=calibration, **options)
+    with torch.no_grad():
+        inputs = {"0": (calibration, held_out)}
+        inputs["2"] = tuple(torch.nn.functional.gelu(model[0](x)) for x in inputs["0"])  # the float model's
+    for name, linear in (("0", model[0]), ("2", model[2])):
+        for x in inputs[name]:  # the calibration rows and rows it never saw
+            want = x @ linear.weight.detach().T
+            errors = {kind: ((x @ dequantized(dict(m.named_modules())[name]).T - want).norm() / want.norm()).item()
+                      for kind, m in (("rtn", rtn), ("gptq", gptq))}
+            assert errors["gptq"] < 0.8 * errors["rtn"], (form, name, errors)
+            assert errors["rtn"] < 0.2
+
+
+def test_gptq_layer_runs_the_int4_values_it_holds(gen):
+    for form, (symmetric, min_max) in FORMS.items():
+        linear = torch.nn.Linear(160, 40)
+        x = correlated_inputs(gen, 256, 160)
+        layer = quantize_model(torch.nn.Sequential(linear), scheme="w4a8", group_size=32, symmetric=symmetric,
+                               min_max=min_max, calibration=[x[:100], x[100:]])[0]
+        assert isinstance(layer, W4A8Linear)
+        q, scale, minimum, group = layer.int4_weight()
+        assert group == 32 and (minimum is None) == symmetric
+        assert int(q.min()) >= -8 and int(q.max()) <= 7
+        # group scales finite, positive and of the float weight's size (GPTQ's updates do not blow them up)
+        rtn_scale = w8a8_cpu.quantize_weight_int4(linear.weight, 32, symmetric, min_max)[1]
+        assert torch.isfinite(scale).all() and (scale > 0).all() and scale.max() <= 2 * rtn_scale.max(), form
+        assert minimum is None or torch.isfinite(minimum).all()
+        x_q, x_scale = reference.per_token_quant_int8(x[:7])
+        want = reference.int4_scaled_mm(x_q, q, x_scale, torch.ones(40), scale, minimum, 32, linear.bias)
+        assert torch.equal(layer(x[:7]), want), form
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(gen, form):
+    """A diagonal H has no cross terms: no error moves between columns, so GPTQ rounds exactly as round-to-nearest
+    (they share the grid rule)."""
+    symmetric, min_max = FORMS[form]
+    w = torch.randn(24, 100, generator=gen)
+    hessian = torch.diag(torch.rand(100, generator=gen) + 0.5)
+    for group_size in (32, 0):
+        rtn = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max)
+        gptq = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max, hessian=hessian)
+        for a, b in zip(rtn, gptq):
+            assert (a is None and b is None) or torch.equal(a, b), (form, group_size)
+
+
+def test_gptq_tolerates_dead_inputs_and_per_channel_groups(gen):
+    x = correlated_inputs(gen, 300, 96)
+    x[:, 5] = 0  # an input channel the calibration never exercises keeps its rounded-to-nearest weight
+    w = torch.randn(16, 96, generator=gen)
+    hessian = x.T @ x
+    for group_size in (0, 32):
+        q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, False, hessian=hessian)
+        assert q.shape == (16, 96) and scale.shape == (16, 96 // (group_size or 96))
+        rtn_q = w8a8_cpu.quantize_weight_int4(w, group_size, False)[0]
+        assert not torch.equal(q, rtn_q)
+
+
+def test_bad_calibration_is_refused_naming_it(gen):
+    model = stack()
+    good = correlated_inputs(gen, 16, 192)
+    nan = good.clone()
+    nan[3, 7] = float("nan")
+    for calibration, message in [
+        ("some text", "calibration: expected model inputs"), (42, "calibration: expected model inputs"),
+        ([], "calibration: no batches"), ([good, "x"], "calibration: batch 1: expected a non-empty tensor"),
+        (torch.empty(0, 192), "calibration: batch 0"), (nan, "calibration: the inputs of 0 contain NaN or Inf"),
+        (lambda m: m[2](torch.randn(4, 160)), "calibration: the run never reached 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            quantize_model(stack(), scheme="w4a8", calibration=calibration)
+    with pytest.raises(ValueError, match="calibration: GPTQ rounding is for int4 weights"):
+        quantize_model(model, calibration=good)
+    w = torch.randn(8, 64)
+    for hessian, message in [(torch.eye(32), r"hessian: expected a floating-point \[64, 64\]"),
+                             (torch.full((64, 64), float("inf")), "hessian: contains NaN or Inf"),
+                             (-torch.eye(64), "hessian: not positive semi-definite")]:
+        with pytest.raises(ValueError, match=message):
+            w8a8_cpu.quantize_weight_int4(w, 32, hessian=hessian)
+    with pytest.raises(ValueError, match="damping: expected a positive number"):
+        w8a8_cpu.quantize_weight_int4(w, 32, hessian=torch.eye(64), damping=0)
+
+
+def test_calibration_callable_and_progress(gen):
+    model = stack()
+    x = correlated_inputs(gen, 64, 192)
+    seen = []
+    quantize_model(model, scheme="w4a8", calibration=lambda m: m(x), on_layer=lambda i, n: seen.append((i, n)))
+    assert seen == [(1, 2), (2, 2)]
+    assert all(isinstance(m, W4A8Linear) for m in (model[0], model[2]))
+
+
+class TwoHeads(torch.nn.Module):
+    """Two layers reading one input tensor (as q/k/v do), a third reading another."""
+
+    def __init__(self, shared_input: bool = True):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(64, 40), torch.nn.Linear(64, 24), torch.nn.Linear(64, 8)
+        self.shared_input = shared_input
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        other = x if self.shared_input or self.calls == 1 else x.clone()  # the second call breaks the sharing
+        return torch.cat([self.a(x), self.b(other), self.c(x * 2)], dim=-1)
+
+
+def test_layers_reading_one_input_share_its_second_moment(gen):
+    """a and b read the same tensor: rounded as one matrix with one H, each gets exactly the rows GPTQ gives it on
+    its own with that H (GPTQ treats rows independently)."""
+    x = correlated_inputs(gen, 200, 64)
+    probe = TwoHeads()
+    moments = _calibration.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
+    assert [readers for _, readers in moments] == [[probe.a, probe.b], [probe.c]]
+    torch.testing.assert_close(moments[0][0], x.T @ x, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(moments[1][0], 4 * x.T @ x, rtol=1e-5, atol=1e-3)
+    torch.manual_seed(0)
+    reference_model = TwoHeads()
+    torch.manual_seed(0)
+    model = quantize_model(TwoHeads(), scheme="w4a8", group_size=32, symmetric=False, calibration=x)
+    for name in ("a", "b"):
+        want = w8a8_cpu.quantize_weight_int4(getattr(reference_model, name).weight, 32, False, hessian=x.T @ x)
+        got = getattr(model, name).int4_weight()
+        assert torch.equal(got[0], want[0]), name
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="calibration: b read the input of a in one model call but not in another"):
+        quantize_model(TwoHeads(shared_input=False), scheme="w4a8", calibration=[x[:100], x[100:]])

@@ -216,11 +216,17 @@ def test_shard_refuses_static_layers():
         shard.of(layer)
 
 
-# ---- checkpoints ---------------------------------------------------------------------------------------------
+# ---- checkpoints (the llm extra: safetensors) -----------------------------------------------------------------
+
+def checkpoint_functions():
+    pytest.importorskip("safetensors")
+    from w8a8_cpu.llm.checkpoint import load_quantized, save_compressed
+    return load_quantized, save_compressed
+
 
 def test_checkpoint_round_trip(tmp_path):
+    load_quantized, save_compressed = checkpoint_functions()
     from safetensors.torch import load_file
-    from w8a8_cpu.llm.checkpoint import load_quantized, save_compressed
     model = with_schemes(quantize_model(tiny_llama(), skip=["lm_head"]))
     save_compressed(model, tmp_path)
     groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
@@ -291,8 +297,8 @@ def test_compressed_tensors_written_static_checkpoint_loads(symmetric, tmp_path)
     """The library's own forward fake-quantizes with the same scales (round(x / s + z) against our round(x / s) + z:
     equal but at exact fp32 ties), so the logits agree closely; each layer holds the library's scale and zero point
     exactly."""
+    load_quantized, _ = checkpoint_functions()
     from safetensors.torch import load_file
-    from w8a8_cpu.llm.checkpoint import load_quantized
     ct_model = compressed_tensors_static_checkpoint(tmp_path, symmetric)
     stored = load_file(tmp_path / "model.safetensors")
     loaded = load_quantized(tmp_path)
@@ -308,7 +314,7 @@ def test_compressed_tensors_written_static_checkpoint_loads(symmetric, tmp_path)
 
 @pytest.fixture(scope="module")
 def saved_static(tmp_path_factory):
-    from w8a8_cpu.llm.checkpoint import save_compressed
+    _, save_compressed = checkpoint_functions()
     directory = tmp_path_factory.mktemp("static")
     save_compressed(with_schemes(quantize_model(tiny_llama(), skip=["lm_head"])), directory)
     return directory
@@ -342,8 +348,8 @@ MALFORMED = [
 
 @pytest.mark.parametrize("change,message", [pytest.param(c, m, id=i) for i, c, m in MALFORMED])
 def test_malformed_static_tensors_refused(saved_static, tmp_path, change, message):
+    load_quantized, _ = checkpoint_functions()
     from safetensors.torch import load_file, save_file
-    from w8a8_cpu.llm.checkpoint import load_quantized
     directory = shutil.copytree(saved_static, tmp_path / "ckpt")
     tensors = load_file(directory / "model.safetensors")
     change(tensors)
@@ -365,7 +371,7 @@ def edit_groups(directory, change):
 def test_static_activations_refused_where_the_kernels_lack_them(tmp_path):
     """Fused MoE experts and int4 layers take dynamic per-token symmetric activations only; a group saying
     otherwise is refused naming it."""
-    from w8a8_cpu.llm.checkpoint import load_quantized, save_compressed
+    load_quantized, save_compressed = checkpoint_functions()
     model = quantize_model(tiny_llama(), skip=["lm_head"], scheme="w4a8")
     save_compressed(model, tmp_path)
 

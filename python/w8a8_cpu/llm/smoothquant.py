@@ -384,6 +384,26 @@ def _first_tensor(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
+class _CallRecorder:
+    """Calls record(module, args, kwargs) before each call of module.forward, on every torch version (forward
+    pre-hooks see keyword arguments from torch 2.0 only): wraps the instance's forward; remove() restores it."""
+
+    def __init__(self, module: torch.nn.Module, record):
+        self.module, self.own = module, module.__dict__.get("forward")
+        forward = module.forward
+
+        def recording(*args, **kwargs):
+            record(module, args, kwargs)
+            return forward(*args, **kwargs)
+        module.forward = recording
+
+    def remove(self) -> None:
+        if self.own is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.own
+
+
 class _LayerRecord:
     """One decoder layer during the discovery forward: its call (to run it again alone), the outputs of its
     norms and Linears, and the inputs of its Linears, routers and experts, each with its place in call order."""
@@ -393,13 +413,12 @@ class _LayerRecord:
         self.call, self.input, self.made, self.read, self.clock = None, None, {}, {}, itertools.count()
 
     def attach(self) -> list:
-        handles = [self.layer.register_forward_pre_hook(self._record_call, with_kwargs=True)]
+        handles = [_CallRecorder(self.layer, self._record_call)]
         for name, module in self.modules.items():
             if name and (_is_norm(module) or isinstance(module, torch.nn.Linear)):
                 handles.append(module.register_forward_hook(partial(self._record_output, name)))
             if name and _is_consumer(module):
-                handles.append(module.register_forward_pre_hook(partial(self._record_input, name),
-                                                                with_kwargs=True))
+                handles.append(_CallRecorder(module, partial(self._record_input, name)))
         return handles
 
     def _record_call(self, layer, args, kwargs):

@@ -79,21 +79,15 @@ void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
   });
 }
 
-// W4A8: the panel's nibbles u = q + 8 widened in registers and multiplied as the unsigned operand of vpdpbusd
-// against the plain int8 activations: acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is
-// acc - 8 * (the row's group sum). The groups combine in the driver's fp32 order (mul, then add: no FMA).
-//
-// One 64-byte load holds two 32-byte chunks (k blocks j and j + 1, 4 k each), each chunk's low nibbles channels
-// 0-7 and its high nibbles channels 8-15. Masked, `low` = [channels 0-7 of block j | of block j + 1] and `high` the
-// same for channels 8-15, against A's 4 bytes of block j in lanes 0-7 and of block j + 1 in lanes 8-15: two
-// vpdpbusd per 128 weights, as for int8, and half the unpacking of one 32-byte chunk at a time. Each group's
-// accumulators are folded (lanes 0-7 + lanes 8-15) into the panel's 16 channels once.
+// W4A8: the panel's nibbles u = q + 8 widened in registers (32 bytes -> 64 u8: low nibbles, then the high ones, the
+// panel's element order) and multiplied as the unsigned operand of vpdpbusd against the plain int8 activations:
+// acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum). The groups
+// combine in the driver's fp32 order (mul, then add: no FMA, as everywhere).
 template <int M>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
                const int32_t* a_group_sums, float* t) {
-  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulator pairs per row (latency, as tile_rows)
+  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row (latency, as tile_rows)
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const __m512i block_of_lane = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const uint8_t* nibbles = panel;
   const uint8_t* scales = panel + groups * group * kNr / 2;
   const uint8_t* mins = scales + groups * kNr * 4;
@@ -106,34 +100,29 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
     const int64_t ahead = g + kX86PrefetchBytes / (group * kNr / 2);
     _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * kNr * 4), _MM_HINT_T1);
     if (has_mins) _mm_prefetch(reinterpret_cast<const char*>(mins + ahead * kNr * 4), _MM_HINT_T1);
-    __m512i acc_low[M][U], acc_high[M][U];
+    __m512i acc[M][U];
     for (int i = 0; i < M; ++i)
-      for (int u = 0; u < U; ++u) acc_low[i][u] = acc_high[i][u] = _mm512_setzero_si512();
-    // 8 k (one cache line of nibbles) per step: groups are multiples of 32 k
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();
+    // 8 k (two 32-byte steps, one cache line) per iteration: groups are multiples of 32 k
     auto step = [&](int64_t k, const uint8_t* bytes, int u) {
-      const __m512i packed = _mm512_loadu_si512(bytes);
-      const __m512i low = _mm512_and_si512(packed, low_nibbles);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+      const __m512i w = _mm512_and_si512(both, low_nibbles);
       for (int i = 0; i < M; ++i) {
-        int64_t a8;
-        std::memcpy(&a8, a + i * stride + k, 8);
-        const __m512i a_blocks = _mm512_permutexvar_epi32(block_of_lane, _mm512_castsi128_si512(_mm_cvtsi64_si128(a8)));
-        acc_low[i][u] = dpbusd(acc_low[i][u], low, a_blocks);
-        acc_high[i][u] = dpbusd(acc_high[i][u], high, a_blocks);
+        int32_t a4;
+        std::memcpy(&a4, a + i * stride + k, 4);
+        acc[i][u] = dpbusd(acc[i][u], w, _mm512_set1_epi32(a4));
       }
     };
-    int64_t k = g * group;
-    for (; k + 8 * U <= (g + 1) * group; k += 8 * U, nibbles += 64 * U) {
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8, nibbles += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(nibbles + kX86PrefetchBytes), _MM_HINT_T1);
-      if (U == 2) _mm_prefetch(reinterpret_cast<const char*>(nibbles + 64 + kX86PrefetchBytes), _MM_HINT_T1);
-      for (int u = 0; u < U; ++u) step(k + 8 * u, nibbles + 64 * u, u);
+      step(k, nibbles, 0);
+      step(k + 4, nibbles + 32, U - 1);
     }
     const __m512 scale = _mm512_loadu_ps(scales + g * kNr * 4);
     for (int i = 0; i < M; ++i) {
-      __m512i low = acc_low[i][0], high = acc_high[i][0];
-      for (int u = 1; u < U; ++u) low = _mm512_add_epi32(low, acc_low[i][u]), high = _mm512_add_epi32(high, acc_high[i][u]);
-      // [low's lanes 0-7 | high's lanes 0-7] + [low's lanes 8-15 | high's lanes 8-15]: channels 0-15
-      const __m512i total = _mm512_add_epi32(_mm512_shuffle_i64x2(low, high, 0x44), _mm512_shuffle_i64x2(low, high, 0xee));
+      __m512i total = acc[i][0];
+      for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][u]);
       const int32_t a_sum = a_group_sums[i * groups + g];
       const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a_sum));
       sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));

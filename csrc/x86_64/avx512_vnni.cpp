@@ -87,20 +87,19 @@ template <int M>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
                const int32_t* a_group_sums, float* t) {
   constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row (latency, as tile_rows)
+  // The row loops are unrolled so that sum and acc stay in registers (GCC 12 kept a rolled loop's sum in memory:
+  // prefill ~15% slower).
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*into_next=*/M <= 4);
   const uint8_t* nibbles = panel;
-  const uint8_t* scales = panel + groups * group * kNr / 2;
-  const uint8_t* mins = scales + groups * kNr * 4;
   __m512 sum[M];
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // The scales (and minimums) are a second stream after the panel's nibbles, one line per group: prefetched as
-    // far ahead as the nibbles (kX86PrefetchBytes of nibbles = that many groups), or every small group waits on
-    // its scales' load from memory (14336x4096 g32 at M=1 ran 3x slower than W8A8 without it).
-    const int64_t ahead = g + kX86PrefetchBytes / (group * kNr / 2);
-    _mm_prefetch(reinterpret_cast<const char*>(scales + ahead * kNr * 4), _MM_HINT_T1);
-    if (has_mins) _mm_prefetch(reinterpret_cast<const char*>(mins + ahead * kNr * 4), _MM_HINT_T1);
+    _mm_prefetch(stream.scales_ahead(g), _MM_HINT_T1);
+    if (has_mins) _mm_prefetch(stream.mins_ahead(g), _MM_HINT_T1);
     __m512i acc[M][U];
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i)
       for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();
     // 8 k (two 32-byte steps, one cache line) per iteration: groups are multiples of 32 k
@@ -108,6 +107,7 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
       const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
       const __m512i w = _mm512_and_si512(both, low_nibbles);
+#pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
         int32_t a4;
         std::memcpy(&a4, a + i * stride + k, 4);
@@ -115,11 +115,12 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
       }
     };
     for (int64_t k = g * group; k < (g + 1) * group; k += 8, nibbles += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(nibbles + kX86PrefetchBytes), _MM_HINT_T1);
+      _mm_prefetch(stream.nibbles_ahead(nibbles), _MM_HINT_T1);
       step(k, nibbles, 0);
       step(k + 4, nibbles + 32, U - 1);
     }
-    const __m512 scale = _mm512_loadu_ps(scales + g * kNr * 4);
+    const __m512 scale = _mm512_loadu_ps(stream.scales() + g * kNr * 4);
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       __m512i total = acc[i][0];
       for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][u]);
@@ -128,9 +129,10 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
       sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
       if (has_mins)
         sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(a_sum)),
-                                                     _mm512_loadu_ps(mins + g * kNr * 4)));
+                                                     _mm512_loadu_ps(stream.mins() + g * kNr * 4)));
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i) _mm512_storeu_ps(t + i * kNr, sum[i]);
 }
 

@@ -6,6 +6,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
+from w8a8_cpu._functions import _Int4Grid
 from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
@@ -69,17 +70,47 @@ def test_gptq_layer_runs_the_int4_values_it_holds(gen):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(gen, form):
-    """A diagonal H has no cross terms: no error moves between columns, so GPTQ rounds exactly as round-to-nearest
-    (they share the grid rule)."""
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(gen, form):
+    """A diagonal H has no cross terms: no error moves between columns, so GPTQ rounds each group to nearest on the
+    grid its range search picks (weighted by the dampened diagonal), which is round-to-nearest's grid or a clipped one
+    with less weighted error."""
     symmetric, min_max = FORMS[form]
     w = torch.randn(24, 100, generator=gen)
-    hessian = torch.diag(torch.rand(100, generator=gen) + 0.5)
+    w[:, 3] *= 6  # an outlier column: clipping it pays where its input is small
+    diagonal = torch.rand(100, generator=gen) + 0.5
     for group_size in (32, 0):
+        group = group_size or 100
+        k_padded = -(-100 // group) * group
+        padded = torch.nn.functional.pad(w, (0, k_padded - 100)).view(24, -1, group)
+        importance = torch.cat([diagonal, torch.ones(k_padded - 100)])
+        importance = (importance + 0.1 * importance.mean()).view(-1, group)
+        grids = [_Int4Grid(*(field[:, None] for field in _Int4Grid.searched(padded[:, g], symmetric, min_max,
+                                                                              importance[g])))
+                 for g in range(padded.shape[1])]
+        want_q = torch.cat([grid.quantize(padded[:, g]) for g, grid in enumerate(grids)], 1)[:, :100]
+        q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max,
+                                                          hessian=torch.diag(diagonal))
+        assert torch.equal(q, want_q.to(torch.int8)), (form, group_size)
+        assert torch.equal(scale, torch.cat([grid.scale for grid in grids], 1)), (form, group_size)
         rtn = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max)
-        gptq = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max, hessian=hessian)
-        for a, b in zip(rtn, gptq):
-            assert (a is None and b is None) or torch.equal(a, b), (form, group_size)
+        for g, grid in enumerate(grids):  # never worse than round-to-nearest's grid, by the weighted error
+            def error(gr):
+                return (gr.scale * gr.quantize(padded[:, g]) + gr.minimum() - padded[:, g]).square().mul(
+                    importance[g]).sum(1)
+            assert (error(grid) <= error(_Int4Grid.of(padded[:, g], symmetric, min_max))).all(), (form, group_size)
+        assert not torch.equal(rtn[1], scale), (form, group_size)  # the outlier groups were clipped
+
+
+def test_searched_grid_keeps_weights_already_on_a_grid():
+    """Ties go to the unclipped range: weights on a min-max grid (llama.cpp Q4_1's, as SmolLM2's dequantized ones are)
+    keep that grid and round back to themselves, as round-to-nearest does; clipping would only add error."""
+    gen = torch.Generator().manual_seed(3)
+    u = torch.randint(0, 16, (16, 64), generator=gen).float()
+    u[:, 0], u[:, 31], u[:, 32], u[:, 63] = 0, 15, 0, 15
+    w = u * 0.01 - 0.07 + torch.randn(16, 2, generator=gen).repeat_interleave(32, dim=1) * 0.1
+    got = w8a8_cpu.quantize_weight_int4(w, 32, False, True, hessian=torch.diag(torch.rand(64, generator=gen) + 0.5))
+    want = w8a8_cpu.quantize_weight_int4(w, 32, False, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_gptq_tolerates_dead_inputs_and_per_channel_groups(gen):

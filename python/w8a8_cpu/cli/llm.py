@@ -84,9 +84,11 @@ def lean_timing(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_toke
                 rounds: int = TIMING_ROUNDS) -> Dict[str, dict]:
     """Each model's decode rate (new_tokens greedy tokens after the chat prompt, its prefill included, as
     evaluate.greedy counts it) and prefill time (the first token's logits after prefill_ids), through its Decoder:
-    medians of `rounds` rounds interleaving the models, after one warm-up round."""
+    medians of `rounds` rounds interleaving the models. The decoders must be warm for this decode (run() has just
+    generated each one's tokens for the prompt): no warm-up round for it (~11 s of the job on 2 cores); prefill gets
+    one (its longer cache)."""
     decode = medians(interleaved({name: (lambda d=d: d.greedy(prompt_ids, new_tokens)) for name, d in
-                                  decoders.items()}, rounds))
+                                  decoders.items()}, rounds, warmup=0))
     prefill = medians(interleaved({name: (lambda d=d: d.prefill(prefill_ids)) for name, d in decoders.items()},
                                   rounds))
     return {name: {"decode_tokens_per_s": new_tokens / decode[name], "prefill_s": prefill[name]} for name in decoders}

@@ -12,7 +12,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
-from w8a8_cpu._functions import MAX_K_ZERO_POINT, quantize_activations
+from w8a8_cpu._functions import MAX_K_ZERO_POINT, quantize_activations, weight_channel_sums
 from w8a8_cpu.nn import W8A8Linear, fuse_projections, quantize_model
 
 STATIC = dict(input_scale=torch.tensor([0.04]))
@@ -139,6 +139,26 @@ def test_bad_parameters_refused(kwargs, message):
     w_q, w_scale, _ = layer_parts(8, 32, seed=7)
     with pytest.raises(ValueError, match=message):
         W8A8Linear(w_q, w_scale, **kwargs)
+
+
+def test_weight_channel_sums_read_from_the_blob():
+    """The asymmetric correction's weight sums come from the blob's stored channel sums (no unpacking): equal to the
+    int8 weight's sums for any N, from a blob at any byte address; an int4 blob or a corrupted one is refused."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((1, 7), (17, 64), (40, 130)):
+        w = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        blob = w8a8_cpu.pack_weight(w)
+        assert torch.equal(weight_channel_sums(blob), w.sum(dim=1, dtype=torch.int32))
+        shifted = torch.zeros(blob.numel() + 3, dtype=torch.uint8)
+        shifted[3:] = blob
+        assert torch.equal(weight_channel_sums(shifted[3:]), w.sum(dim=1, dtype=torch.int32))
+    q, scale, _ = w8a8_cpu.quantize_weight_int4(torch.randn(16, 64, generator=gen))
+    with pytest.raises(ValueError, match="int4"):
+        weight_channel_sums(w8a8_cpu.pack_weight_int4(q, scale))
+    bad = blob.clone()
+    bad[-1] ^= 1  # a channel sum changed: the checksum no longer matches
+    with pytest.raises(ValueError):
+        weight_channel_sums(bad)
 
 
 def test_asymmetric_k_bound():

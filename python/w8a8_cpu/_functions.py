@@ -210,7 +210,7 @@ def int8_scaled_mm_with_activations(x: torch.Tensor, w: torch.Tensor, w_scale: t
     acc = ops.int8_mm(x_q, w)
     if zero_point is not None:
         if w_sum is None:
-            w_sum = unpack_weight(w).sum(dim=1, dtype=torch.int32)
+            w_sum = weight_channel_sums(w)
         acc = acc - zero_point[:, None] * w_sum[None, :]
     out = ops.scale_accumulators(acc, x_scale, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -294,6 +294,24 @@ def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tenso
     else:
         panels = raw[HEADER_BYTES:HEADER_BYTES + n_padded * k_padded].view(torch.int8)
     return panels.view(n_padded // nr, k_padded // kr, nr, kr), n, k
+
+
+def weight_channel_sums(blob: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: each output channel's sum of an int8 packed weight over k, read from the blob (which stores them for
+    the biased-A tiles; verified against the panels as the ops verify a blob) instead of unpacking it: the weight's
+    side of asymmetric activations' correction, zp * sum_k w."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
+    if header_format(raw)[0] != 0:
+        raise ValueError("blob: holds int4 weights, which store no channel sums (asymmetric activations are for int8 "
+                         "weights)")
+    _, _, n, _, n_padded, k_padded = header_sizes(raw)
+    start = HEADER_BYTES + n_padded * k_padded
+    # host byte order, as the ops read them; a copy first: the blob's slice may sit at any byte address
+    return raw[start:start + 4 * n_padded].clone().view(torch.int32)[:n].clone()
 
 
 def unpack_weight(blob: torch.Tensor) -> torch.Tensor:

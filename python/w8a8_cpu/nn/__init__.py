@@ -12,7 +12,7 @@ from . import _calibration
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
                           fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
                           pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
-                          quantize_weight_int4, unpack_weight, weight_scheme)
+                          quantize_weight_int4, unpack_weight, weight_channel_sums, weight_scheme)
 from .._loader import ops as _ops
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
@@ -112,7 +112,7 @@ class W8A8Linear(_Fp32Scales):
                                            self.symmetric_activations)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.w_sum is not None:  # derived from the weight, which may just have been replaced
-            self.w_sum = unpack_weight(self.weight_packed).sum(dim=1, dtype=torch.int32)
+            self.w_sum = weight_channel_sums(self.weight_packed)
 
     @property
     def activation_scheme(self) -> str:

@@ -82,7 +82,8 @@ template <int M>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
                const int32_t* a_group_sums, float* t) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*into_next=*/M <= 2);  // 4 rows: the prefill tile
+  // into_next for decode only: a 4-row tile is also the prefill tile
+  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*into_next=*/M <= 2);
   const uint8_t* nibbles = panel;
   for (int i = 0; i < M * kNr; ++i) t[i] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
@@ -134,7 +135,8 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         float* ti = t + i * kNr + h * 8;
-        const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(acc + i * kNr + h * 8)));
+        const auto* products = reinterpret_cast<const __m256i*>(acc + i * kNr + h * 8);
+        const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
         __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, _mm256_loadu_ps(scales + h * 8)));
         if (has_mins) v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
         _mm256_storeu_ps(ti, v);

@@ -30,20 +30,23 @@ namespace {
 struct Int4PanelStream {
   const uint8_t* panel;
   int64_t nibble_bytes, value_bytes, panel_bytes;
-  int64_t lead;     // groups ahead: kX86PrefetchBytes of nibbles
-  bool into_next;   // run on into the next panel (decode), or past the region's end in this one (see below)
+  int64_t lead;    // groups ahead: kX86PrefetchBytes of nibbles
+  bool into_next;  // past a region's end: into the next panel (decode) or this one (see int4_panel_stream)
 
   const uint8_t* scales() const { return panel + nibble_bytes; }
   const uint8_t* mins() const { return panel + nibble_bytes + value_bytes; }
 
-  // The address `offset` bytes into the region at region_offset (region_bytes long), past its end into the next panel's.
+  // The address `offset` bytes into the region at region_offset (region_bytes long); past its end, into the next
+  // panel's (into_next) or on into this panel's next region.
   const char* ahead(int64_t region_offset, int64_t region_bytes, int64_t offset) const {
     const int64_t into = offset < region_bytes || !into_next ? region_offset + offset
                                                               : panel_bytes + region_offset + offset - region_bytes;
     return reinterpret_cast<const char*>(panel + into);
   }
   // The line of group g + lead's scales, and of its minimums.
-  const char* scales_ahead(int64_t g) const { return ahead(nibble_bytes, value_bytes, (g + lead) * kX86PanelWidth * 4); }
+  const char* scales_ahead(int64_t g) const {
+    return ahead(nibble_bytes, value_bytes, (g + lead) * kX86PanelWidth * 4);
+  }
   const char* mins_ahead(int64_t g) const {
     return ahead(nibble_bytes + value_bytes, value_bytes, (g + lead) * kX86PanelWidth * 4);
   }

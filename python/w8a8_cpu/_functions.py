@@ -238,6 +238,17 @@ def pack_weight_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[tor
     return ops.pack_weight_int4(q, scale, minimum, group_size)
 
 
+def _verified_blob(blob: torch.Tensor, arg: str = "blob", packers: str = "pack_weight") -> torch.Tensor:
+    """The contiguous bytes of a packed blob after verifying it as the ops do (header bounds, checksum, channel sums;
+    a bad one raises ValueError): from here on its header's sizes are bounded and describe it."""
+    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise ValueError(f"{arg}: expected the 1-D uint8 output of {packers}, got "
+                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
+    raw = blob.detach().contiguous()
+    ops._verify_packed_weight(raw)
+    return raw
+
+
 def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """(q int8 [N, K] in [-8, 7], scale fp32 [N, groups], minimum fp32 [N, groups] or None, group size (0: per
     channel)) of a verified W4A8 blob: pack_weight_int4's inputs back (to save checkpoints)."""
@@ -255,11 +266,7 @@ def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
 
 def weight_scheme(blob: torch.Tensor) -> str:
     """"int8" or "int4": the weight scheme of a packed blob, verified first as the ops verify it (ValueError)."""
-    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
-        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight or pack_weight_int4, got "
-                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
-    raw = blob.detach().contiguous()
-    ops._verify_packed_weight(raw)
+    raw = _verified_blob(blob, packers="pack_weight or pack_weight_int4")
     return "int8" if header_format(raw)[0] == 0 else "int4"
 
 
@@ -281,11 +288,7 @@ def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tenso
     """(panels int8 [N_padded / nr, K_padded / kr, nr, kr], n, k) of a blob, after verifying it as the ops do
     (header bounds, checksum, channel sums; a bad one raises ValueError): panel[k / kr][n % nr][k % kr]. int4
     panels come widened to int8 (values -8..7)."""
-    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
-        raise ValueError(f"{arg}: expected the 1-D uint8 output of pack_weight, got "
-                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
-    raw = blob.detach().contiguous()
-    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
+    raw = _verified_blob(blob, arg)
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     if header_format(raw)[0] != 0:  # int4: nibbles u = q + 8, 32 bytes hold 64 elements: low nibbles, then high
         body, nibble_bytes, _, _ = int4_panels(raw)
@@ -300,18 +303,14 @@ def weight_channel_sums(blob: torch.Tensor) -> torch.Tensor:
     """int32 [N]: each output channel's sum of an int8 packed weight over k, read from the blob (which stores them for
     the biased-A tiles; verified against the panels as the ops verify a blob) instead of unpacking it: the weight's
     side of asymmetric activations' correction, zp * sum_k w."""
-    if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
-        raise ValueError(f"blob: expected the 1-D uint8 output of pack_weight, got "
-                         f"{getattr(blob, 'dtype', type(blob))} {tuple(getattr(blob, 'shape', ()))}")
-    raw = blob.detach().contiguous()
-    ops._verify_packed_weight(raw)  # from here on the header's sizes are bounded and describe this blob
+    raw = _verified_blob(blob)
     if header_format(raw)[0] != 0:
         raise ValueError("blob: holds int4 weights, which store no channel sums (asymmetric activations are for int8 "
                          "weights)")
     _, _, n, _, n_padded, k_padded = header_sizes(raw)
     start = HEADER_BYTES + n_padded * k_padded
     # host byte order, as the ops read them; a copy first: the blob's slice may sit at any byte address
-    return raw[start:start + 4 * n_padded].clone().view(torch.int32)[:n].clone()
+    return raw[start:start + 4 * n_padded].clone().view(torch.int32)[:n]
 
 
 def unpack_weight(blob: torch.Tensor) -> torch.Tensor:
@@ -553,9 +552,10 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     of the weight's: each column rounded on its group's grid, its error fed into the columns after it; damping times
     the mean diagonal is added to H first. The grid is fixed when the group starts, from the weights as GPTQ has
     updated them: the rule above over the group's range times the factor (1.0, 0.95, ..., 0.6) with the least error
-    weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). The default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a
-    small model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after
-    SmoothQuant, 1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
+    weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). The
+    default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small model gets, 1% fits the
+    calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant, 1024 tokens: +30%
+    perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")

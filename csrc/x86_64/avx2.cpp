@@ -131,14 +131,16 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
     const auto* mins = reinterpret_cast<const float*>(stream.mins() + g * kNr * 4);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         float* ti = t + i * kNr + h * 8;
         const auto* products = reinterpret_cast<const __m256i*>(acc + i * kNr + h * 8);
         const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
         __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, _mm256_loadu_ps(scales + h * 8)));
-        if (has_mins) v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
+        if (has_mins) {
+          const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
+          v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
+        }
         _mm256_storeu_ps(ti, v);
       }
     }

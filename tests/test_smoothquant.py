@@ -179,3 +179,42 @@ def test_bad_arguments(alpha, calibration, message):
     with pytest.raises(ValueError, match=message):
         smooth_quant(model, calibration, alpha=alpha, mappings=[("norm", ["up"])])
     assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_grouped_scales_scale_each_weight_group_as_one(model_type):
+    # group_size: every weight SmoothQuant touches is multiplied by one factor over each aligned group of 16 along
+    # its input channels (consumers: s; norms, producer rows and biases: 1/s), so an int4 group on a grid stays on one
+    group = 16  # TINY: hidden 64, intermediate 128, experts 64, head_dim 16 (o_proj reads repeated v heads)
+    model = tiny_model(model_type)
+    before = copy.deepcopy(model.state_dict())
+    report = smooth_quant(model, token_ids(seed=1, batch=4), alpha=0.85, group_size=group)
+    assert report.group_size == group and report.logit_drift < FP32_TOLERANCE and "in groups of 16" in str(report)
+    changed = 0
+    for name, after in model.state_dict().items():
+        if torch.equal(after, before[name]):
+            continue
+        changed += 1
+        ratio = (after / before[name]).reshape(*after.shape[:-1], -1, group)
+        assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-6, atol=0), name
+    assert changed >= 12, changed  # per layer: 2 norms, v and up (or experts) rows, and the consumers' columns
+    per_channel = tiny_model(model_type)
+    smooth_quant(per_channel, token_ids(seed=1, batch=4), alpha=0.85)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    ratio = (per_channel.state_dict()[weight] / before[weight]).reshape(64, -1, group)
+    assert not torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-3)  # per channel, they differ
+
+
+@pytest.mark.parametrize("group_size, message", [
+    (32, r"group_size: layer 0: self_attn.o_proj reads 64 channels in heads of 16, not in whole groups of 32"),
+    (24, r"group_size: layer 0: .* reads 64 channels, not in whole groups of 24"),
+    (0, "group_size: expected None or an int >= 1"),
+    (True, "group_size: expected None or an int >= 1"),
+    (16.0, "group_size: expected None or an int >= 1"),
+])
+def test_bad_group_size_changes_nothing(group_size, message):
+    model = tiny_model("llama")
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=message):
+        smooth_quant(model, token_ids(seed=1), group_size=group_size)
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())

@@ -34,6 +34,12 @@ reaches stay as they are and are reported with the reason: OLMo 2 puts its norms
 q/k/v and gate/up read the residual stream with no norm in front; GPT-NeoX interleaves q/k/v per head, so
 no block of its fused rows is v.
 
+Grouped scales (group_size=G, for int4 weights quantized in groups of G along K): s is constant over each aligned
+group of G input channels of every consumer, taken from the group's largest activation and weight absmax. A
+consumer's group then scales by one number, so its int4 grid scales with it: a group of values on a grid (SmolLM2's
+weights, dequantized from Q4_1) stays on one, and a group's rounding error relative to its range does not change.
+Per-channel scales make the columns of a group unequal again; they flatten the activations more, at that cost.
+
 Explicit pairs (mappings=) apply to every layer that has the producer and all its consumers (so one list
 serves models that mix dense and MoE layers), with norm weights scaled as weight / s; a consumer left out while
 it reads the producer changes the function, which `SmoothingReport.logit_drift` shows.
@@ -99,6 +105,7 @@ def _layer_ranges(layers: Sequence[int]) -> str:
 @dataclass(frozen=True)
 class SmoothingReport:
     alpha: float
+    group_size: Optional[int]  # one s per aligned group of this many input channels; None: per channel
     tokens: int
     discovery_seconds: float  # deriving the pairs (0 with explicit mappings)
     calibration_seconds: float  # forward passes of the float model with the statistics hooks
@@ -108,7 +115,8 @@ class SmoothingReport:
     not_smoothed: Tuple[NotSmoothed, ...]  # derived pairs only; explicit mappings are not analysed
 
     def __str__(self) -> str:
-        lines = [f"SmoothQuant alpha={self.alpha}: {self.tokens} calibration tokens, "
+        grouped = f" in groups of {self.group_size} channels" if self.group_size is not None else ""
+        lines = [f"SmoothQuant alpha={self.alpha}{grouped}: {self.tokens} calibration tokens, "
                  f"{self.discovery_seconds:.1f} s pair discovery, {self.calibration_seconds:.1f} s calibration, "
                  f"{self.total_seconds:.1f} s total, logit drift {self.logit_drift:.1e}",
                  "layer  outliers (max/median) before -> after  producer -> consumers"]
@@ -205,6 +213,14 @@ def _smoothing_scale(x_absmax: torch.Tensor, w_absmax: torch.Tensor, alpha: floa
     return x_absmax.clamp(min=_ABSMAX_FLOOR).pow(alpha) / w_absmax.clamp(min=_ABSMAX_FLOOR).pow(1 - alpha)
 
 
+def _group_max(per_channel: torch.Tensor, group_size: Optional[int]) -> torch.Tensor:
+    """[..., C] -> [..., C]: each aligned group of group_size channels set to its largest value (None: unchanged)."""
+    if group_size is None:
+        return per_channel
+    grouped = per_channel.reshape(*per_channel.shape[:-1], -1, group_size)
+    return grouped.amax(dim=-1, keepdim=True).expand_as(grouped).reshape(per_channel.shape)
+
+
 def _outlier_ratio(absmax_rows: torch.Tensor) -> float:
     """max / median of each row's channel absmax, the largest over rows."""
     medians = absmax_rows.median(dim=-1).values.clamp(min=_ABSMAX_FLOOR)
@@ -279,21 +295,34 @@ class _Site:
             self.x_absmax[expert] = torch.maximum(self.x_absmax[expert], absmax)
             self.expert_seen[expert] = True
 
-    def scales(self, alpha: float) -> torch.Tensor:
-        """s over the producer's channels ([P], or [E, I] per expert), from the unsmoothed weights."""
+    def check_group_size(self, group_size: int) -> None:
+        """A ValueError unless every consumer's aligned groups of group_size input channels read one aligned group
+        of the producer's channels (a multiple of group_size channels; with repeated heads, head_dim one too)."""
+        channels = _scale_shape(self.pair, self.modules)[-1] * self.pair.groups  # the consumer's input channels
+        spans_heads = self.pair.groups > 1 and self.pair.head_dim % group_size
+        if channels % group_size or spans_heads:
+            raise ValueError(f"group_size: layer {self.layer}: {self.pair.consumers[0]} reads {channels} channels"
+                             f"{f' in heads of {self.pair.head_dim}' if self.pair.groups > 1 else ''}, not in "
+                             f"whole groups of {group_size}")
+
+    def scales(self, alpha: float, group_size: Optional[int]) -> torch.Tensor:
+        """s over the producer's channels ([P], or [E, I] per expert), from the unsmoothed weights; with group_size,
+        one s per aligned group of group_size channels."""
         received = self.expert_seen.any().item() if self.per_expert else self.x_absmax is not None
         if not received:
             raise ValueError(f"mappings: layer {self.layer}: {self.pair.consumers[0]} received no calibration "
                              f"tokens")
         if self.per_expert:
             down_columns = _expert_weights(self.producer)[1].detach().abs().amax(dim=1).float().cpu()
-            scale = _smoothing_scale(self.x_absmax, down_columns, alpha)
+            scale = _smoothing_scale(_group_max(self.x_absmax, group_size), _group_max(down_columns, group_size),
+                                     alpha)
             scale[~self.expert_seen] = 1.0  # no tokens, no statistic: leave that expert as it is
             return scale
         w_absmax = torch.stack([_channel_absmax(_input_weight(module, name)).cpu()
                                 for name, module in zip(self.pair.consumers, self.consumers)]).amax(dim=0)
         heads = self.pair.heads
-        return _smoothing_scale(heads.reduce(self.x_absmax), heads.reduce(w_absmax), alpha)
+        return _smoothing_scale(_group_max(heads.reduce(self.x_absmax), group_size),
+                                _group_max(heads.reduce(w_absmax), group_size), alpha)
 
     def fold(self, scale: torch.Tensor) -> SmoothedInput:
         _fold(self.pair, self.modules, scale)
@@ -611,14 +640,17 @@ def _output_tensor(output) -> torch.Tensor:
 
 @torch.no_grad()
 def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor]],
-                 alpha: float = 0.5, mappings: Optional[Sequence[Mapping]] = None) -> SmoothingReport:
+                 alpha: float = 0.5, mappings: Optional[Sequence[Mapping]] = None,
+                 group_size: Optional[int] = None) -> SmoothingReport:
     """Smooth `model`'s activation outliers into its weights, in place; the float model keeps its function.
 
     calibration: token ids [B, T] or an iterable of such batches, run through the float model to collect
     each smoothed input's per-channel absmax. alpha in [0, 1]: the share of the outliers moved to the
     weights. mappings: (producer, consumers) pairs relative to a decoder layer (see the module docstring);
     by default derived from the model, on the first 16 tokens of the first batch, and the report lists the
-    inputs left as they are (not_smoothed) with why. Call before quantize_model.
+    inputs left as they are (not_smoothed) with why. group_size: one s per aligned group of that many input
+    channels (see the module docstring; for int4 weights in groups of that size; every smoothed input must hold
+    whole groups, else ValueError before anything changes); None: per channel. Call before quantize_model.
 
     Statistics: an input read by an MoE block (router, shared expert, all experts) is measured over every
     token reaching the block, because the norm in front of it has one scale per channel for all of them
@@ -632,6 +664,9 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
     logit_drift. Returns a SmoothingReport."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or
+                                   group_size < 1):
+        raise ValueError(f"group_size: expected None or an int >= 1, got {group_size!r}")
     layers = _decoder_layers(model)
     batches = _batches(calibration)
     first_batch = next(batches, None)
@@ -650,6 +685,9 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
         discovery_seconds = time.perf_counter() - start
         sites = [_Site(index, pair, dict(layers[index].named_modules()))
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]
+        if group_size is not None:
+            for site in sites:
+                site.check_group_size(group_size)
         handles = [site.attach() for site in sites]
         tokens, output_before = 0, None
         try:
@@ -661,13 +699,14 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
             for handle in handles:
                 handle.remove()
         calibration_seconds = time.perf_counter() - start - discovery_seconds
-        scales = [site.scales(alpha) for site in sites]  # all from the unsmoothed weights: order-independent
+        # all from the unsmoothed weights: order-independent
+        scales = [site.scales(alpha, group_size) for site in sites]
         inputs = tuple(site.fold(scale) for site, scale in zip(sites, scales))
         output_after = _output_tensor(model(first_batch)).float()
     finally:
         model.train(was_training)
     drift = ((output_after - output_before).abs().max() / output_before.abs().max().clamp(min=1e-30)).item()
-    return SmoothingReport(alpha, tokens, discovery_seconds, calibration_seconds, time.perf_counter() - start,
-                           drift, inputs, not_smoothed)
+    return SmoothingReport(alpha, group_size, tokens, discovery_seconds, calibration_seconds,
+                           time.perf_counter() - start, drift, inputs, not_smoothed)
 
 __all__ = ["smooth_quant", "SmoothingReport", "SmoothedInput", "NotSmoothed"]

@@ -43,11 +43,18 @@ def test_bench_quick_json_and_plot(tmp_path):
         assert "w8a8_cpu" in case["results"] and "torch fp32" in case["results"]
         for cand, r in case["results"].items():
             assert all(_positive(r[key]) for key in ("ms", "gops", "weight_gbs", "weight_bytes")), (cand, r)
-        assert set(case["speedup"]) == set(case["results"]) - {"w8a8_cpu"}
+        assert set(case["speedup"]) == set(case["results"]) - {"w8a8_cpu", "w8a8_cpu stack", "W4A8 stack"}
         assert all(_positive(v) for v in case["speedup"].values())
         # --quick runs decode M only: each has the same rounds' read, which is no candidate of its own
         assert _positive(case["read_gbs"]) and "streaming read" not in case["results"]
         assert case["decode_efficiency"] == pytest.approx(case["results"]["w8a8_cpu"]["weight_gbs"] / case["read_gbs"])
+        # and ours as a model's decode runs it: distinct copies back to back, timed per layer (no speedup of its own)
+        stack = case["results"]["w8a8_cpu stack"]
+        assert case["stack_copies"] >= 2 and case["stack_copies"] * case["n"] * case["k"] >= 64 << 20
+        assert stack["rel_error"] == case["results"]["w8a8_cpu"]["rel_error"]
+        assert case["stack_decode_efficiency"] == pytest.approx(stack["weight_gbs"] / case["read_gbs"])
+        assert case["w4a8_stack_decode_efficiency"] == pytest.approx(
+            case["results"]["W4A8 stack"]["weight_gbs"] / case["read_gbs"])
     assert result["overhead_us"] and all(_positive(v) for v in result["overhead_us"].values())
     assert result["moe"]
     for case in result["moe"]:

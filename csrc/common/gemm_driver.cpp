@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "activation.h"
 #include "ref_kernel.h"
 
 namespace w8a8_cpu {
@@ -87,26 +88,6 @@ void quantize_row_range(const MicroKernel& kernel, const void* x, FloatKind kind
 int64_t first_bad_row(const std::atomic<int64_t>& first_bad, int64_t m) {
   const int64_t bad = first_bad.load();
   return bad < m ? bad : -1;
-}
-
-// exp(x) for x in [-87, 88] without a library call, so the loop below vectorizes with the baseline ISA:
-// x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (rel. error < 2e-7), 2^n via the exponent bits.
-// n is rounded by adding and subtracting 1.5 * 2^23 (plain IEEE adds, no rounding instruction needed).
-inline float exp_poly(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
 }
 
 // Rows per claim of the row passes (quantize, pack): about 64 KiB of input each; below that, one claim (no region).
@@ -338,8 +319,8 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   return first_bad_row(first_bad, m);
 }
 
-void silu_mul(float* gate, const float* up, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
+void silu_mul(const MicroKernel& kernel, float* gate, const float* up, int64_t n) {
+  (kernel.silu_mul ? kernel.silu_mul : silu_mul_row)(gate, up, n);
 }
 
 int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n,
@@ -364,7 +345,7 @@ int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, i
   dynamic_for(m, rows_per_claim(inter), parallel_for, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* row = gate_up + r * n;
-      silu_mul(row, row + inter, inter);
+      silu_mul(kernel, row, row + inter, inter);
       store_row_from_float(static_cast<char*>(o.out) + r * o.ldo * element_bytes(o.out_kind), o.out_kind, row,
                            inter);
     }

@@ -116,9 +116,9 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
                const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
                const ParallelFor& parallel_for);
 
-// silu(gate) * up for n elements, in place into gate, in a fixed operation order (a polynomial exp, no library call):
-// every variant, the fused MoE and gated_linear agree bit for bit.
-void silu_mul(float* gate, const float* up, int64_t n);
+// silu(gate) * up for n elements, in place into gate (activation.h), in the kernel's ISA where it has a copy: one
+// operation order, so every variant, the fused MoE and gated_linear agree bit for bit.
+void silu_mul(const MicroKernel& kernel, float* gate, const float* up, int64_t n);
 
 // The gated linear layer (SwiGLU MLPs' gate/up projection as one GEMM): w holds 2I channels, gate rows [0, I) then up
 // rows [I, 2I); out[r, j] = silu(g[r, j]) * u[r, j] where g and u are linear()'s fp32 outputs of those channels, cast

@@ -165,7 +165,8 @@ void project(const MicroKernel& kernel, const std::vector<int64_t>& offsets, con
 void activate(const MicroKernel& kernel, const MoeProblem& p, const MoeScratch& s, const ParallelFor& parallel_for) {
   const int64_t pairs = p.tokens * p.topk, inter = p.intermediate;
   dynamic_for(pairs, std::max<int64_t>(1, 16384 / inter), parallel_for, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) silu_mul(s.gate_up + q * 2 * inter, s.gate_up + q * 2 * inter + inter, inter);
+    for (int64_t q = q0; q < q1; ++q)
+      silu_mul(kernel, s.gate_up + q * 2 * inter, s.gate_up + q * 2 * inter + inter, inter);
   });
   const int64_t bad = quantize_rows(kernel, s.gate_up, FloatKind::f32, pairs, inter, 2 * inter, s.aq, inter, s.s2,
                                     parallel_for);

@@ -15,6 +15,7 @@
 
 #include <cstring>
 
+#include "../common/activation.h"
 #include "../common/cpu_features.h"
 #include "../common/ref_kernel.h"
 #include "x86_common.h"
@@ -219,6 +220,7 @@ const MicroKernel kAvx2Kernel = {
     /*thread_leave=*/nullptr,
     /*a_excludes_int8_min=*/true,
     avx2_int4_tile,
+    silu_mul_row,
 };
 
 }  // namespace w8a8_cpu

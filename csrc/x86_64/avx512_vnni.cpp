@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "../common/activation.h"
 #include "../common/cpu_features.h"
 #include "x86_common.h"
 
@@ -159,6 +160,7 @@ const MicroKernel kAvx512VnniKernel = {
     /*thread_leave=*/nullptr,
     /*a_excludes_int8_min=*/false,
     vnni_int4_tile,
+    silu_mul_row,
 };
 
 }  // namespace w8a8_cpu

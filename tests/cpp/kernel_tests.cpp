@@ -298,6 +298,23 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
               kern.name, mismatches, got, got == kInt4SharedVectorsHash ? "(matches)" : "(WRONG)");
 }
 
+// silu(gate) * up through the kernel (its own ISA's copy of activation.h, when it has one) gives the bits of the
+// reference's baseline copy: over a sweep of gate values across exp_poly's clamps, and at odd lengths (vector tails).
+void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> wide(-120.f, 120.f), narrow(-6.f, 6.f);
+  for (const int64_t n : {1, 7, 16, 33, 1536}) {
+    std::vector<float> gate(n), up(n);
+    for (int64_t j = 0; j < n; ++j) gate[j] = j % 2 ? wide(rng) : narrow(rng), up[j] = narrow(rng);
+    gate[0] = n % 2 ? -0.f : 1e-30f;
+    std::vector<float> want = gate, got = gate;
+    silu_mul(kRefKernel, want.data(), up.data(), n);
+    silu_mul(kern, got.data(), up.data(), n);
+    CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0, "%s: silu_mul differs from the reference's (n = %lld)",
+          kern.name, static_cast<long long>(n));
+  }
+}
+
 // The whole driver (quantize, pack, gemm, epilogue) gives bit-identical outputs in every variant.
 void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -621,6 +638,7 @@ int run(int argc, char** argv) {
     test_quantization(*kern, seed);
     test_shared_vectors(*kern);
     test_int4_shared_vectors(*kern);
+    test_silu_mul_bits(*kern, seed);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
   }

@@ -85,7 +85,7 @@ std::vector<float> scalar_moe(const MoeCase& c, const std::vector<float>& x, con
       const int64_t e = ids[t * c.topk + k];
       matvec(xq.data(), xs, expert(w13, e, 2 * c.inter, c.h), s13.data() + e * 2 * c.inter, 2 * c.inter, c.h,
              gate_up.data());
-      silu_mul(gate_up.data(), gate_up.data() + c.inter, c.inter);
+      silu_mul(kRefKernel, gate_up.data(), gate_up.data() + c.inter, c.inter);
       quantize(gate_up.data(), c.inter, aq.data(), &as);
       matvec(aq.data(), as, expert(w2, e, c.h, c.inter), s2.data() + e * c.h, c.h, c.inter, down.data());
       for (int64_t j = 0; j < c.h; ++j) acc[j] += weights[t * c.topk + k] * down[j];

@@ -525,11 +525,11 @@ def run_once(args, plan: Plan) -> dict:
               "reps": reps, "warmup": warmup, "quick": bool(args.quick), "linear": [], "moe": [],
               "read_bandwidth_method": f"best of torch.sum over a {bw_mib} MiB float32 tensor"}
     linear_out: List[tuple] = []
+    has_decode = any(phase_of(m) == "decode" for m in plan.ms)
+    stack_mib = (QUICK_STACK_MIB if args.quick else STACK_MIB) if has_decode else 0  # no decode case, no stack
     for shape in plan.linear_shapes:
         n, k = SHAPES[shape]
-        has_decode = any(phase_of(m) == "decode" for m in plan.ms)
-        make, weight_bytes, copies = linear_candidates(n, k, gen, errors,
-                                                       (QUICK_STACK_MIB if args.quick else STACK_MIB) * has_decode)
+        make, weight_bytes, copies = linear_candidates(n, k, gen, errors, stack_mib)
         for m in plan.ms:
             progress.step(f"linear {shape} M={m}")
             candidates, rel_errors = make(m)

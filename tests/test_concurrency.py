@@ -41,8 +41,12 @@ def _cases(gen):
         linear.bias.copy_(torch.randn(70, generator=gen))
     module = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
 
+    norm_weight = torch.rand(200, generator=gen) + 0.5
+    q, k, v = torch.randn(45, 6, 16, generator=gen), torch.randn(2, 45, 16, generator=gen), torch.randn(2, 45, 16,
+                                                                                                        generator=gen)
+
     inputs = [x, x_bf16, w_q, w_scale, bias, x_q, x_scale, packed, hidden, w13, w2, w13_scale, w2_scale,
-              topk_weights, topk_ids, w13_p, w2_p] + list(module.buffers())
+              topk_weights, topk_ids, w13_p, w2_p, norm_weight, q, k, v] + list(module.buffers())
     cases = {
         "per_token_quant_int8 fp32": lambda: w8a8_cpu.per_token_quant_int8(x),
         "per_token_quant_int8 bf16": lambda: w8a8_cpu.per_token_quant_int8(x_bf16[1]),
@@ -56,6 +60,8 @@ def _cases(gen):
         "fused_experts packed": lambda: w8a8_cpu.fused_experts(hidden, w13_p, w2_p, topk_weights, topk_ids,
                                                                w13_scale, w2_scale),
         "W8A8Linear forward": lambda: module(x_bf16),
+        "rms_norm bf16": lambda: torch.ops.w8a8_cpu.rms_norm(x_bf16, norm_weight, 1e-5),
+        "causal_attention": lambda: torch.ops.w8a8_cpu.causal_attention(q, k, v, 0.25),
     }
     return cases, inputs
 

@@ -144,19 +144,6 @@ def test_decoder_rejects_what_it_does_not_run():
         decoder.greedy(torch.zeros(3, dtype=torch.long), 0)
 
 
-@pytest.mark.parametrize("t", [1, 31, 32, 70])
-def test_prompt_attention_equals_sdpa(t):
-    """The Decoder's blocked causal attention of a prompt (query heads grouped per KV head, each block of rows against
-    the keys up to its last row) equals torch's causal SDPA with grouped KV heads on every position and head."""
-    from w8a8_cpu.llm.decoder import _causal_attention
-
-    g = torch.Generator().manual_seed(t)
-    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((t, 6, 16), (2, t, 16), (2, t, 16)))
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, scale=0.3, enable_gqa=True)
-    torch.testing.assert_close(_causal_attention(q, k, v, 0.3), expected[0].transpose(0, 1), rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("name", ["w_scale", "bias"])
 def test_load_state_dict_refuses_non_finite_weight_side_values(name):
     """load_state_dict into a built W8A8Linear checks what its constructor checks: NaN/Inf scales or bias refused,

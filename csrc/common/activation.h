@@ -1,7 +1,7 @@
-// silu(gate) * up: the one definition of the gated MLPs' activation (gated_linear, the fused MoE). `static` (as
-// microkernel.h's helpers): the driver and each ISA-flagged variant TU compile their own copy, which the compiler
-// vectorizes with that TU's ISA (SmolLM2's prefill: 512 x 1536 elements a layer, 1.0 ms with the baseline ISA,
-// 0.24 ms with AVX-512). Plain IEEE operations in a fixed order, no library call and no FMA (-ffp-contract=off):
+// The activations of a decoder layer, one definition each: silu(gate) * up (gated_linear, the fused MoE) and the
+// causal softmax of attention scores (causal_attention). `static` (as microkernel.h's helpers): the driver and each
+// ISA-flagged variant TU compile their own copy, which the compiler vectorizes with that TU's ISA (SmolLM2's prefill:
+// 512 x 1536 SiLU elements a layer, 1.0 ms with the baseline ISA, 0.24 ms with AVX-512). Plain IEEE operations in a fixed order, no library call and no FMA (-ffp-contract=off):
 // every copy gives the same bits.
 #pragma once
 
@@ -34,6 +34,43 @@ static inline float exp_poly(float x) {
 // gate[j] = silu(gate[j]) * up[j] for j < n, in place.
 static void silu_mul_row(float* gate, const float* up, int64_t n) {
   for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
+}
+
+// Sum of v[i] (or of v[i]^2) in one fixed order: 16 running lane sums (a vector register's worth, so the loop
+// vectorizes without reassociation), then the lanes in order.
+template <bool kSquare>
+static float lane_sum(const float* v, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += kSquare ? v[i + j] * v[i + j] : v[i + j];
+  for (int j = 0; i < n; ++i, ++j) lane[j] += kSquare ? v[i] * v[i] : v[i];
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += lane[j];
+  return sum;
+}
+
+// The largest of v[0, n), n >= 1, by 16 lane maxima like lane_sum (any order gives the same maximum).
+static float lane_max(const float* v, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes];
+  std::fill(lane, lane + kLanes, v[0]);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] = std::max(lane[j], v[i + j]);
+  for (; i < n; ++i) lane[0] = std::max(lane[0], v[i]);
+  return *std::max_element(lane, lane + kLanes);
+}
+
+// Softmax of one row of attention scores s[0, n) under a causal mask, in place: s[j] = exp(s[j] - max) / sum for
+// j < len (1 <= len <= n: the keys at or before the query's position; max and sum over those), s[j] = 0 beyond.
+static void causal_softmax_row(float* s, int64_t len, int64_t n) {
+  const float max = lane_max(s, len);
+  for (int64_t j = 0; j < len; ++j) s[j] = exp_poly(s[j] - max);
+  const float inv = 1.f / lane_sum<false>(s, len);
+  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+  std::fill(s + len, s + n, 0.f);
 }
 
 }  // namespace w8a8_cpu

@@ -81,9 +81,10 @@ struct MicroKernel {
   void (*int4_tile)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout layout,
                     int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) = nullptr;
 
-  // Optional: activation.h's silu_mul_row compiled in the variant's TU, with its ISA (null: the driver's copy, in the
-  // baseline ISA). The same operations in the same order: the same bits either way.
+  // Optional: activation.h's silu_mul_row and causal_softmax_row compiled in the variant's TU, with its ISA (null:
+  // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
+  void (*causal_softmax)(float* s, int64_t len, int64_t n) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

@@ -21,6 +21,7 @@
 
 #include "cpu_features.h"
 #include "gemm_driver.h"
+#include "layer_ops.h"
 #include "moe_driver.h"
 #include "registry.h"
 
@@ -533,6 +534,163 @@ at::Tensor int8_gated_mm_with_quant_op(const at::Tensor& x, const at::Tensor& w,
   return quantized_linear(x, w, w_scale, bias, out_dtype, c10::nullopt, true);
 }
 
+// ---- the layer ops (layer_ops.h): rows of x [..., N], one row per task of at::parallel_for -------------------
+
+// x [..., N] for a layer op: a CPU float tensor, contiguous (read as rows, or written in place); returns N.
+int64_t layer_row_length(const at::Tensor& x, const char* arg, int64_t max_n) {
+  check_cpu(x, arg);
+  float_kind(x.scalar_type(), arg);
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0, arg, ": expected a tensor [..., N] with N > 0, got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous(), arg, ": must be contiguous, got strides ", x.strides(),
+                    "; call .contiguous() first");
+  TORCH_CHECK_VALUE(x.size(-1) <= max_n, arg, ": last dimension ", x.size(-1), " exceeds ", max_n,
+                    ", the longest row the layer ops take");
+  return x.size(-1);
+}
+
+// Rows [0, m) of n elements each through body(r), in chunks of about 64 KiB of input (decode's single row: inline).
+void for_each_row(int64_t m, int64_t n, const std::function<void(int64_t)>& body) {
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) body(r);
+  });
+}
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor* delta, const at::Tensor& weight, double eps) {
+  const int64_t n = layer_row_length(x, "x", kMaxNormRow);
+  if (delta) {
+    layer_row_length(*delta, "delta", kMaxNormRow);
+    TORCH_CHECK_VALUE(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
+                      "delta: expected the shape and dtype of x, ", x.sizes(), " ", x.scalar_type(), ", got ",
+                      delta->sizes(), " ", delta->scalar_type());
+  }
+  check_cpu(weight, "weight");
+  float_kind(weight.scalar_type(), "weight");
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n, "weight: expected shape [", n,
+                    "] (the last dimension of x), got ", weight.sizes());
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps: expected a finite value >= 0, got ", eps);
+  const at::Tensor w = aligned(weight.to(at::kFloat).contiguous());
+  const at::Tensor xs = aligned(x), ds = delta ? aligned(*delta) : at::Tensor();
+  const FloatKind kind = float_kind(x.scalar_type(), "x");
+  const int64_t bytes = element_bytes(kind);
+  auto out = at::empty_like(xs);
+  const auto* src = static_cast<const char*>(xs.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  for_each_row(xs.numel() / n, n, [&](int64_t r) {
+    const int64_t at = r * n * bytes;
+    const bool add = delta != nullptr;
+    rms_norm_row(src + at, add ? static_cast<const char*>(ds.data_ptr()) + at : nullptr,
+                 add ? const_cast<char*>(src) + at : nullptr, kind, w.data_ptr<float>(), static_cast<float>(eps), n, dst + at, kind);
+  });
+  if (delta && !xs.is_same(x)) x.copy_(xs);  // x was not aligned: the sums went to the copy
+  return out;
+}
+
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_rows(x, nullptr, weight, eps);
+}
+
+// x += delta (in place: the residual stream), then RMSNorm of the sum.
+at::Tensor add_rms_norm_op(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return rms_norm_rows(x, &delta, weight, eps);
+}
+
+void rotary_embedding_op(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t n = layer_row_length(x, "x", std::numeric_limits<int64_t>::max());
+  for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}}) {
+    check_cpu(t, arg);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.is_contiguous(), arg, ": expected a contiguous [positions, head_dim] "
+                      "tensor, got shape ", t.sizes(), " and strides ", t.strides());
+  }
+  TORCH_CHECK_VALUE(sin.sizes() == cos.sizes(), "sin: expected the shape of cos, ", cos.sizes(), ", got ",
+                    sin.sizes());
+  const int64_t positions = cos.size(0), d = cos.size(1);
+  TORCH_CHECK_VALUE(d >= 2 && d % 2 == 0 && d <= kMaxHeadDim, "cos: head_dim (dim 1) must be even and in [2, ",
+                    kMaxHeadDim, "], got ", d);
+  TORCH_CHECK_VALUE(positions == x.numel() / n, "cos: expected one row per row of x (", x.numel() / n,
+                    " positions), got ", positions);
+  TORCH_CHECK_VALUE(heads >= 1 && heads <= n / d, "heads: expected 1 <= heads <= ", n / d, " (heads of ", d,
+                    " in a row of ", n, "), got ", heads);
+  const at::Tensor c = aligned(cos), s = aligned(sin);
+  TORCH_CHECK_VALUE(aligned(x).is_same(x), "x: data must be aligned to its element size (rotated in place)");
+  const FloatKind kind = float_kind(x.scalar_type(), "x");
+  auto* rows = static_cast<char*>(x.data_ptr());
+  for_each_row(positions, heads * d, [&](int64_t r) {
+    rotary_row(rows + r * n * element_bytes(kind), kind, heads, d, c.data_ptr<float>() + r * d,
+               s.data_ptr<float>() + r * d);
+  });
+}
+
+// Query positions per block of causal_attention: a block's scores [positions x query heads of a KV head, keys] stay in
+// L2 (64 KiB a position group at 512 keys).
+constexpr int64_t kAttentionBlock = 32;
+
+// A [rows, cols] fp32 matrix over raw memory with row stride ld (the attention's blocks, views for at::mm_out).
+at::Tensor float_matrix(const float* data, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<float*>(data), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// Causal self-attention of a prompt: q [T, heads, d] (positions 0..T-1), k and v [kv_heads, T, d]; returns
+// out [T, heads, d] = softmax(scale q k^T, causal) v per head, the query heads of one KV head sharing it (grouped-
+// query attention). Tasks are (KV head, pair of query blocks), a block of positions with the keys up to its last
+// position only: about half the work of a masked T x T product, and every task (block b with block B-1-b) the same
+// size, so at::parallel_for's equal split of the tasks balances the threads. Each block: its query rows (scaled) into
+// a contiguous copy, the scores by at::mm (torch's fp32 GEMM), the causal softmax on them in place, at::mm with V.
+at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
+    check_cpu(t, arg);
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 3 && t.size(2) > 0 && t.stride(2) == 1 && t.stride(1) == t.size(2), arg,
+                      ": expected [", std::string(arg) == "q" ? "positions, heads" : "kv_heads, positions",
+                      ", head_dim] with contiguous heads (strides [any, head_dim, 1]), got shape ", t.sizes(),
+                      " and strides ", t.strides());
+    TORCH_CHECK_VALUE(aligned(t).is_same(t), arg, ": data must be aligned to 4 bytes");
+  }
+  const int64_t positions = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "v: expected the shape of k, ", k.sizes(), ", got ", v.sizes());
+  TORCH_CHECK_VALUE(k.size(1) == positions && k.size(2) == d, "k: expected [kv_heads, ", positions, ", ", d,
+                    "] (q's positions and head_dim), got ", k.sizes());
+  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "k: kv_heads (dim 0) must divide q's ", heads,
+                    " heads, got ", kv_heads);
+  TORCH_CHECK_VALUE(d <= kMaxHeadDim, "q: head_dim ", d, " exceeds ", kMaxHeadDim);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite value, got ", scale);
+  auto out = at::empty({positions, heads, d}, q.options());
+  const int64_t group = heads / kv_heads, blocks = (positions + kAttentionBlock - 1) / kAttentionBlock;
+  const int64_t pairs = (blocks + 1) / 2, rows_max = kAttentionBlock * group;
+  const auto* qp = q.data_ptr<float>();
+  auto* op = out.data_ptr<float>();
+  const MicroKernel& kernel = active_kernel();
+  at::parallel_for(0, kv_heads * pairs, 1, [&](int64_t task0, int64_t task1) {
+    std::vector<float> query(rows_max * d), scores(rows_max * positions), result(rows_max * d);
+    for (int64_t task = task0; task < task1; ++task) {
+      const int64_t g = task / pairs, pair = task % pairs;
+      const float* kg = k.data_ptr<float>() + g * k.stride(0);
+      const float* vg = v.data_ptr<float>() + g * v.stride(0);
+      const int64_t pair_blocks[2] = {pair, blocks - 1 - pair};  // one block when blocks is odd: the middle one
+      for (int which = 0; which < (pair_blocks[0] == pair_blocks[1] ? 1 : 2); ++which) {
+        const int64_t b = pair_blocks[which];
+        const int64_t p0 = b * kAttentionBlock, count = std::min(kAttentionBlock, positions - p0);
+        const int64_t keys = p0 + count, rows = count * group;
+        // row (i, j): position p0 + i, query head g * group + j
+        for (int64_t i = 0; i < count; ++i) {
+          const float* src = qp + (p0 + i) * q.stride(0) + g * group * d;
+          for (int64_t e = 0; e < group * d; ++e) query[i * group * d + e] = src[e] * static_cast<float>(scale);
+        }
+        at::Tensor s = float_matrix(scores.data(), rows, keys, keys);
+        at::mm_out(s, float_matrix(query.data(), rows, d, d), float_matrix(kg, keys, d, d).t());
+        for (int64_t r = 0; r < rows; ++r) causal_softmax(kernel, scores.data() + r * keys, p0 + r / group + 1, keys);
+        at::Tensor o = float_matrix(result.data(), rows, d, d);
+        at::mm_out(o, s, float_matrix(vg, keys, d, d));
+        for (int64_t i = 0; i < count; ++i)
+          std::memcpy(op + ((p0 + i) * heads + g * group) * d, result.data() + i * group * d,
+                      static_cast<size_t>(group * d) * 4);
+      }
+    }
+  });
+  return out;
+}
+
 // Per-expert packed views of an MoE weight: raw int8 [E, n, k] (packed here into `storage` for this call)
 // or the output of pack_moe_weights / pack_experts_int4, uint8 [E, bytes] with one packed blob per expert (int8 or
 // int4 weights; the driver checks that the experts share one format).
@@ -693,6 +851,10 @@ TORCH_LIBRARY(w8a8_cpu, m) {
   m.def(
       "int8_gated_mm_with_quant(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, ScalarType? out_dtype=None) "
       "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_int4(Tensor q, Tensor scale, Tensor? minimum=None, int group_size=0) -> Tensor");
   m.def(
@@ -710,6 +872,10 @@ TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("int8_scaled_mm", &w8a8_cpu::int8_scaled_mm_op);
   m.impl("int8_scaled_mm_with_quant", &w8a8_cpu::int8_scaled_mm_with_quant_op);
   m.impl("int8_gated_mm_with_quant", &w8a8_cpu::int8_gated_mm_with_quant_op);
+  m.impl("rms_norm", &w8a8_cpu::rms_norm_op);
+  m.impl("add_rms_norm_", &w8a8_cpu::add_rms_norm_op);
+  m.impl("rotary_embedding_", &w8a8_cpu::rotary_embedding_op);
+  m.impl("causal_attention", &w8a8_cpu::causal_attention_op);
   m.impl("pack_weight", &w8a8_cpu::pack_weight_op);
   m.impl("pack_weight_int4", &w8a8_cpu::pack_weight_int4_op);
   m.impl("fused_experts", &w8a8_cpu::fused_experts_op);

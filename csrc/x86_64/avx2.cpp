@@ -221,6 +221,7 @@ const MicroKernel kAvx2Kernel = {
     /*a_excludes_int8_min=*/true,
     avx2_int4_tile,
     silu_mul_row,
+    causal_softmax_row,
 };
 
 }  // namespace w8a8_cpu

@@ -161,6 +161,7 @@ const MicroKernel kAvx512VnniKernel = {
     /*a_excludes_int8_min=*/false,
     vnni_int4_tile,
     silu_mul_row,
+    causal_softmax_row,
 };
 
 }  // namespace w8a8_cpu

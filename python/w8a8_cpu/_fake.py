@@ -7,11 +7,14 @@ strides, devices. Checks that read data (NaN/Inf activations in strict mode, top
 magic, N and K) are the real op's alone."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
 
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
+_MAX_NORM_ROW, _MAX_HEAD_DIM = 32768, 1024  # kMaxNormRow, kMaxHeadDim in csrc/common/layer_ops.h
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -134,6 +137,32 @@ def _expert_scale_rows(s, arg):  # checked_expert_scales; returns [E, N] as a sh
 # ---- fake kernels ----------------------------------------------------------------------------------------------
 
 _meta_library = None  # torch < 2.1 only: keeps the Meta registrations alive
+
+
+def _layer_row_length(x, arg, max_n):  # layer_row_length; returns N
+    _check_float(x.dtype, arg)
+    if x.dim() < 1 or x.shape[-1] <= 0:
+        raise ValueError(f"{arg}: expected a tensor [..., N] with N > 0, got shape {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{arg}: must be contiguous, got strides {list(x.stride())}; call .contiguous() first")
+    if max_n is not None and x.shape[-1] > max_n:
+        raise ValueError(f"{arg}: last dimension {x.shape[-1]} exceeds {max_n}, the longest row the layer ops take")
+    return x.shape[-1]
+
+
+def _rms_norm_rows(x, delta, weight, eps):  # rms_norm_rows
+    n = _layer_row_length(x, "x", _MAX_NORM_ROW)
+    if delta is not None:
+        _layer_row_length(delta, "delta", _MAX_NORM_ROW)
+        if delta.shape != x.shape or delta.dtype != x.dtype:
+            raise ValueError(f"delta: expected the shape and dtype of x, {list(x.shape)} {x.dtype}, got "
+                             f"{list(delta.shape)} {delta.dtype}")
+    _check_float(weight.dtype, "weight")
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"weight: expected shape [{n}] (the last dimension of x), got {list(weight.shape)}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite value >= 0, got {eps}")
+    return x.new_empty(x.shape)
 
 
 def _register_meta(qualname):
@@ -283,6 +312,60 @@ def register() -> None:
             if t is not None and (t.dtype != torch.float32 or list(t.shape) != [n, groups]):
                 raise ValueError(f"{arg}: expected float32 [{n}, {groups}], got {t.dtype} {list(t.shape)}")
         return q.new_empty((packed_weight_nbytes(n, k, group_size, minimum is not None),), dtype=torch.uint8)
+
+    @register_fake("w8a8_cpu::rms_norm")
+    def _rms_norm(x, weight, eps):
+        _check_same_device(x, weight=weight)
+        return _rms_norm_rows(x, None, weight, eps)
+
+    @register_fake("w8a8_cpu::add_rms_norm_")
+    def _add_rms_norm_(x, delta, weight, eps):
+        _check_same_device(x, delta=delta, weight=weight)
+        return _rms_norm_rows(x, delta, weight, eps)
+
+    @register_fake("w8a8_cpu::rotary_embedding_")
+    def _rotary_embedding_(x, cos, sin, heads):
+        _check_same_device(x, cos=cos, sin=sin)
+        n = _layer_row_length(x, "x", None)
+        for t, arg in ((cos, "cos"), (sin, "sin")):
+            if t.dtype != torch.float32:
+                raise ValueError(f"{arg}: dtype must be float32, got {t.dtype}")
+            if t.dim() != 2 or not t.is_contiguous():
+                raise ValueError(f"{arg}: expected a contiguous [positions, head_dim] tensor, got shape "
+                                 f"{list(t.shape)} and strides {list(t.stride())}")
+        if sin.shape != cos.shape:
+            raise ValueError(f"sin: expected the shape of cos, {list(cos.shape)}, got {list(sin.shape)}")
+        positions, d = cos.shape
+        if d < 2 or d % 2 or d > _MAX_HEAD_DIM:
+            raise ValueError(f"cos: head_dim (dim 1) must be even and in [2, {_MAX_HEAD_DIM}], got {d}")
+        if positions != x.numel() // n:
+            raise ValueError(f"cos: expected one row per row of x ({x.numel() // n} positions), got {positions}")
+        if not 1 <= heads <= n // d:
+            raise ValueError(f"heads: expected 1 <= heads <= {n // d} (heads of {d} in a row of {n}), got {heads}")
+
+    @register_fake("w8a8_cpu::causal_attention")
+    def _causal_attention(q, k, v, scale):
+        _check_same_device(q, k=k, v=v)
+        for t, arg in ((q, "q"), (k, "k"), (v, "v")):
+            if t.dtype != torch.float32:
+                raise ValueError(f"{arg}: dtype must be float32, got {t.dtype}")
+            if t.dim() != 3 or t.shape[2] <= 0 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+                layout = "positions, heads" if arg == "q" else "kv_heads, positions"
+                raise ValueError(f"{arg}: expected [{layout}, head_dim] with contiguous heads (strides [any, head_dim, "
+                                 f"1]), got shape {list(t.shape)} and strides {list(t.stride())}")
+        positions, heads, d = q.shape
+        if k.shape != v.shape:
+            raise ValueError(f"v: expected the shape of k, {list(k.shape)}, got {list(v.shape)}")
+        if k.shape[1] != positions or k.shape[2] != d:
+            raise ValueError(f"k: expected [kv_heads, {positions}, {d}] (q's positions and head_dim), got "
+                             f"{list(k.shape)}")
+        if k.shape[0] <= 0 or heads % k.shape[0]:
+            raise ValueError(f"k: kv_heads (dim 0) must divide q's {heads} heads, got {k.shape[0]}")
+        if d > _MAX_HEAD_DIM:
+            raise ValueError(f"q: head_dim {d} exceeds {_MAX_HEAD_DIM}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite value, got {scale}")
+        return q.new_empty((positions, heads, d))
 
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):

@@ -24,6 +24,7 @@
 
 #include "cpu_features.h"
 #include "gemm_driver.h"
+#include "layer_ops.h"
 #include "ref_kernel.h"
 #include "registry.h"
 
@@ -312,6 +313,33 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
     silu_mul(kern, got.data(), up.data(), n);
     CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0, "%s: silu_mul differs from the reference's (n = %lld)",
           kern.name, static_cast<long long>(n));
+  }
+}
+
+// The causal softmax of attention scores through the kernel (its ISA's copy of activation.h, when it has one) gives the
+// bits of the reference's baseline copy, with the masked tail zeroed, at lengths around the 16 lanes; and it is a
+// softmax: the kept entries sum to 1 within fp32 rounding and follow exp(s - max) / sum within exp_poly's 2e-7.
+void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> score(-30.f, 30.f);
+  for (const int64_t n : {1, 15, 16, 17, 70, 512}) {
+    const int64_t len = n == 1 ? 1 : n - n / 3;
+    std::vector<float> scores(n);
+    for (float& v : scores) v = score(rng);
+    std::vector<float> want = scores, got = scores;
+    causal_softmax(kRefKernel, want.data(), len, n);
+    causal_softmax(kern, got.data(), len, n);
+    CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0, "%s: causal_softmax differs from the reference's "
+          "(n = %lld)", kern.name, static_cast<long long>(n));
+    const double max = *std::max_element(scores.begin(), scores.begin() + len);
+    double sum = 0, worst = 0;
+    for (int64_t j = 0; j < len; ++j) sum += std::exp(static_cast<double>(scores[j]) - max);
+    for (int64_t j = 0; j < n; ++j) {
+      const double exact = j < len ? std::exp(static_cast<double>(scores[j]) - max) / sum : 0.0;
+      worst = std::max(worst, std::fabs(got[j] - exact));
+    }
+    CHECK(worst < 2e-6, "%s: causal_softmax off by %g from exp(s - max) / sum (n = %lld)", kern.name, worst,
+          static_cast<long long>(n));
   }
 }
 
@@ -639,6 +667,7 @@ int run(int argc, char** argv) {
     test_shared_vectors(*kern);
     test_int4_shared_vectors(*kern);
     test_silu_mul_bits(*kern, seed);
+    test_causal_softmax_bits(*kern, seed);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
   }

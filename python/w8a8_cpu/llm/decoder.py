@@ -23,15 +23,23 @@ from ..nn import W8A8LinearSlice
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
-def _rms_norm(module: torch.nn.Module, where: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The norm as one fused op: x * rsqrt(mean(x^2) + eps) * weight (transformers' RMSNorm, computed in one kernel;
-    it differs from the module's four ops in the last bits only)."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float) or \
-            not type(module).__name__.endswith("RMSNorm"):
-        raise ValueError(f"{where}: expected an RMSNorm (weight, variance_epsilon), got {type(module).__name__}")
-    shape = (weight.numel(),)
-    return lambda x: torch.nn.functional.rms_norm(x, shape, weight, eps)
+class _RMSNorm:
+    """An RMSNorm module as the library's fused op: norm(x) = x * rsqrt(mean(x^2) + eps) * weight in one pass
+    (transformers' RMSNorm, computed in fp32 and rounded once: the same up to the last bits), and
+    add_(h, delta): h += delta in place (the residual stream), then norm(h), in the same pass."""
+
+    def __init__(self, module: torch.nn.Module, where: str):
+        weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float) or \
+                not type(module).__name__.endswith("RMSNorm"):
+            raise ValueError(f"{where}: expected an RMSNorm (weight, variance_epsilon), got {type(module).__name__}")
+        self.weight, self.eps = weight.detach().float().contiguous(), eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.w8a8_cpu.rms_norm(x, self.weight, self.eps)
+
+    def add_(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return torch.ops.w8a8_cpu.add_rms_norm_(h, delta, self.weight, self.eps)
 
 
 class _Layer:
@@ -40,8 +48,8 @@ class _Layer:
     def __init__(self, layer: torch.nn.Module, index: int, config):
         where = f"model.layers.{index}"
         attn = layer.self_attn
-        self.input_norm = _rms_norm(layer.input_layernorm, f"{where}.input_layernorm")
-        self.post_norm = _rms_norm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm")
+        self.input_norm = _RMSNorm(layer.input_layernorm, f"{where}.input_layernorm")
+        self.post_norm = _RMSNorm(layer.post_attention_layernorm, f"{where}.post_attention_layernorm")
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         if isinstance(q, W8A8LinearSlice) and k.fused is q.fused and v.fused is q.fused and q.begin == 0:
             self.qkv = q.fused  # one GEMM for the three (fuse_projections)
@@ -72,7 +80,7 @@ class Decoder:
         self.config = config
         self.embed = inner.embed_tokens
         self.layers = [_Layer(layer, i, config) for i, layer in enumerate(inner.layers)]
-        self.norm = _rms_norm(inner.norm, "model.norm")
+        self.norm = _RMSNorm(inner.norm, "model.norm")
         self.lm_head = model.lm_head
         self.rotary = inner.rotary_emb
         self.dtype = next(iter(inner.layers[0].input_layernorm.parameters())).dtype
@@ -91,35 +99,38 @@ class Decoder:
         self.v_cache = [torch.zeros(1, l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
         probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
         cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
-        self.cos, self.sin = cos[0], sin[0]  # [length, head_dim]
+        self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
 
     def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Positions start .. start + T - 1 of ids [T] through the model (their K/V written to the cache); returns the
         last position's logits [vocab]. start == 0 (a prompt) or T == 1 (a decode step)."""
         t = ids.numel()
-        h = self.embed(ids.view(1, t))  # [1, T, H]
-        cos = self.cos[start:start + t].view(1, t, 1, -1)
-        sin = self.sin[start:start + t].view(1, t, 1, -1)
         end = start + t
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+        # The residual stream h [1, T, H] is updated in place by the norms (h is the embedding's fresh output).
+        h = self.embed(ids.view(1, t))
+        x = self.layers[0].input_norm(h)
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             d, nq, nkv = layer.head_dim, layer.heads, layer.kv_heads
-            qkv = layer.qkv(layer.input_norm(h))  # [1, T, (nq + 2 nkv) d]
-            qk = qkv[..., :(nq + nkv) * d].view(1, t, nq + nkv, d)
-            half = d // 2
-            rotated = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotary on q and k at once
-            q = rotated[:, :, :nq].transpose(1, 2)
-            k_cache[:, :, start:end] = rotated[:, :, nq:].transpose(1, 2)
-            v_cache[:, :, start:end] = qkv[..., (nq + nkv) * d:].view(1, t, nkv, d).transpose(1, 2)
+            qkv = layer.qkv(x)  # [1, T, (nq + 2 nkv) d]
+            torch.ops.w8a8_cpu.rotary_embedding_(qkv, self.cos[start:end], self.sin[start:end], nq + nkv)
+            heads = qkv.view(1, t, nq + 2 * nkv, d)
+            k_cache[:, :, start:end] = heads[:, :, nq:nq + nkv].transpose(1, 2)
+            v_cache[:, :, start:end] = heads[:, :, nq + nkv:].transpose(1, 2)
             if t == 1:
                 attn = torch.nn.functional.scaled_dot_product_attention(
-                    q, k_cache[:, :, :end], v_cache[:, :, :end], scale=layer.scaling, enable_gqa=True)
+                    heads[:, :, :nq].transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], scale=layer.scaling,
+                    enable_gqa=True)
                 attn = attn.transpose(1, 2).reshape(1, t, nq * d)
             else:
-                attn = _causal_attention(rotated[0, :, :nq], k_cache[0, :, :end], v_cache[0, :, :end], layer.scaling)
-            h = h + layer.o_proj(attn.view(1, t, nq * d))
-            h = h + layer.mlp(layer.post_norm(h))
-        return self.lm_head(self.norm(h[0, -1:]))[0]
+                # the library's blocked causal attention (fp32; a no-op conversion for fp32 models)
+                attn = torch.ops.w8a8_cpu.causal_attention(
+                    heads[0, :, :nq].float(), k_cache[0, :, :end].float(), v_cache[0, :, :end].float(),
+                    layer.scaling).to(self.dtype)
+            x = layer.post_norm.add_(h, layer.o_proj(attn.view(1, t, nq * d)))
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x = following.add_(h, layer.mlp(x))
+        return self.lm_head(x[0, -1:])[0]
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of the position after ids [T] (the prompt's forward pass; the cache is reset)."""
@@ -146,33 +157,6 @@ class Decoder:
                 position += 1
             out.append(int(logits.argmax()))
         return out
-
-
-# Query rows per block of _causal_attention: its score blocks [kv heads, rows x group, keys] stay in L2 (measured on
-# SmolLM2's prefill, 1 thread: 16-64 alike, 4.5 ms per layer against 6.7 ms for torch's flash-attention kernel).
-_QUERY_BLOCK = 32
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a prompt: q [T, heads, d] (positions 0..T-1), k and v [kv_heads, T, d]; returns
-    [T, heads, d]. The query heads of one KV head form one batched GEMM against its keys, block by block of query
-    rows, each block against the keys up to its last row only: about half the work of a full masked T x T product,
-    and no copy of K/V per query head (grouped-query attention)."""
-    t, heads, d = q.shape
-    kv_heads = k.shape[0]
-    group = heads // kv_heads
-    q = (q * scale).view(t, kv_heads, group, d).permute(1, 0, 2, 3).reshape(kv_heads, t * group, d)
-    keys_t = k.transpose(1, 2)
-    out = torch.empty(t, kv_heads, group, d, dtype=q.dtype)
-    future = torch.ones(_QUERY_BLOCK, _QUERY_BLOCK, dtype=torch.bool).triu(1)
-    for b0 in range(0, t, _QUERY_BLOCK):
-        b1 = min(t, b0 + _QUERY_BLOCK)
-        rows = b1 - b0
-        scores = torch.bmm(q[:, b0 * group:b1 * group], keys_t[:, :, :b1]).view(kv_heads, rows, group, b1)
-        scores[..., b0:b1].masked_fill_(future[:rows, :rows].view(1, rows, 1, rows), float("-inf"))
-        weights = torch.softmax(scores.view(kv_heads, rows * group, b1), dim=-1)
-        out[b0:b1] = torch.bmm(weights, v[:, :b1]).view(kv_heads, rows, group, d).permute(1, 0, 2, 3)
-    return out.view(t, heads, d)
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -1,0 +1,34 @@
+// The small float operations of a decoder layer that sit between its GEMMs: RMSNorm (with the residual add before it)
+// and rotary position embedding. A model runs them on every layer of every token; as separate torch ops they were
+// ~10% of SmolLM2's prefill and a Python dispatch each per decode step. Plain C++ on rows of fp32/bf16/fp16
+// elements, computed in fp32 in a fixed operation order (no FMA contraction: see CMakeLists), one rounding to the
+// element type at the end.
+#pragma once
+
+#include <cstdint>
+
+#include "microkernel.h"
+
+namespace w8a8_cpu {
+
+// Most elements of a normed row and of a rotated head (their fp32 copies live on the stack, 128 KiB and 4 KiB):
+// hidden sizes of today's LLMs are <= 16384, head sizes <= 256.
+constexpr int64_t kMaxNormRow = 32768;
+constexpr int64_t kMaxHeadDim = 1024;
+
+// y = weight * (v / sqrt(mean(v^2) + eps)) over one row of n elements (transformers' RMSNorm), where v = x, or
+// v = x + delta written to sum_out when delta is not null (the pre-norm residual stream: h += delta; y = norm(h);
+// sum_out may be x). x, delta and sum_out are of kind `kind`, y of `out_kind`, weight fp32; n <= kMaxNormRow.
+void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kind, const float* weight, float eps,
+                  int64_t n, void* y, FloatKind out_kind);
+
+// Rotary embedding in place on the first `heads` heads of one row (heads x d elements of kind `kind`), the
+// "rotate half" form of Llama-family models: for i < d/2, with x1 = x[i], x2 = x[i + d/2],
+// x[i] = x1 * cos[i] + (-x2) * sin[i] and x[i + d/2] = x2 * cos[i + d/2] + x1 * sin[i + d/2] (cos, sin: fp32, d; d even, <= kMaxHeadDim).
+void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* cos, const float* sin);
+
+// activation.h's causal_softmax_row on one row of attention scores, in the kernel's ISA where it has a copy (the same
+// bits either way).
+void causal_softmax(const MicroKernel& kernel, float* s, int64_t len, int64_t n);
+
+}  // namespace w8a8_cpu

@@ -1,0 +1,156 @@
+"""The layer ops of the lean decoder (csrc/common/layer_ops.h): RMSNorm with the residual add, rotary embedding and
+causal prompt attention, against fp64 references of their formulas (and against the torch expressions they replace,
+bit for bit where the operation order is the same), in every float dtype, at 1 and 2 threads; bad input is a
+ValueError naming the argument, from the op and from its fake kernel alike."""
+import re
+
+import pytest
+import torch
+
+import w8a8_cpu  # noqa: F401  (registers torch.ops.w8a8_cpu)
+
+ops = torch.ops.w8a8_cpu
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# one rounding to the dtype after an fp32 computation: half an ulp plus the fp32 error
+RTOL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+
+
+def rms_norm_reference(x, weight, eps):
+    v = x.double()
+    return weight.double() * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def with_threads(n, fn):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (3, 70, 37), (2, 16)])
+def test_rms_norm_equals_the_formula(dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 4).to(dtype)
+    weight = torch.rand(shape[-1], generator=g).to(dtype) + 0.5
+    got = ops.rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype and got.shape == x.shape
+    expected = rms_norm_reference(x, weight, 1e-5)
+    torch.testing.assert_close(got.double(), expected, rtol=RTOL[dtype], atol=1e-6)
+    assert torch.equal(with_threads(2, lambda: ops.rms_norm(x, weight, 1e-5)), got)  # rows are independent
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_stream_in_place(dtype):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(1, 300, 96, generator=g).to(dtype)
+    delta = torch.randn(1, 300, 96, generator=g).to(dtype)
+    weight = torch.rand(96, generator=g) + 0.5
+    stream = h.clone()
+    normed = ops.add_rms_norm_(stream, delta, weight, 1e-6)
+    assert torch.equal(stream, h + delta)  # the add is torch's (fp32 add, one rounding)
+    assert torch.equal(normed, ops.rms_norm(h + delta, weight, 1e-6))
+    torch.testing.assert_close(normed.double(), rms_norm_reference(h + delta, weight, 1e-6), rtol=RTOL[dtype],
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("positions", [1, 45])
+def test_rotary_embedding_rotates_the_first_heads_in_place(dtype, positions):
+    g = torch.Generator().manual_seed(positions)
+    heads, kv_heads, d = 4, 2, 16
+    qkv = torch.randn(1, positions, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    angle = torch.rand(positions, d // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = (f(torch.cat([angle, angle], dim=-1)).float() for f in (torch.cos, torch.sin))
+    x = qkv.clone()
+    ops.rotary_embedding_(x, cos, sin, heads + kv_heads)
+    rotated = (heads + kv_heads) * d
+    assert torch.equal(x[..., rotated:], qkv[..., rotated:])  # the v heads are left as they are
+    qk = qkv[..., :rotated].view(1, positions, heads + kv_heads, d)
+    c, s = cos.view(1, positions, 1, d), sin.view(1, positions, 1, d)
+    half = d // 2
+    if dtype == torch.float32:  # the same operations as transformers' apply_rotary_pos_emb in fp32: the same bits
+        expected = qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s
+        assert torch.equal(x[..., :rotated].view_as(expected), expected)
+    q = qk.double()
+    exact = q * c.double() + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * s.double()
+    torch.testing.assert_close(x[..., :rotated].view_as(exact).double(), exact, rtol=RTOL[dtype], atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 31, 32, 33, 70, 97])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prompt_attention_equals_sdpa(t, threads):
+    """Blocked causal attention of a prompt (query heads grouped per KV head, each block of positions against the
+    keys up to its last one, blocks paired across threads) equals torch's causal SDPA with grouped KV heads (fp64) on
+    every position and head, q given as a strided view of a fused q/k/v output as the Decoder does."""
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(t, 10, 16, generator=g)[:, :6]
+    k, v = (torch.randn(2, t, 16, generator=g) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1).unsqueeze(0), k.double().unsqueeze(0), v.double().unsqueeze(0), is_causal=True,
+        scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+    got = with_threads(threads, lambda: ops.causal_attention(q, k, v, 0.3))
+    assert got.shape == (t, 6, 16) and got.is_contiguous()
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6)
+
+
+def _x():
+    return torch.randn(3, 8)
+
+
+BAD = [
+    # (call, expected message fragment)
+    (lambda: ops.rms_norm(_x().int(), torch.ones(8), 1e-5), "x: dtype must be float32"),
+    (lambda: ops.rms_norm(_x().t(), torch.ones(3), 1e-5), "x: must be contiguous"),
+    (lambda: ops.rms_norm(torch.zeros(2, 0), torch.ones(0), 1e-5), "x: expected a tensor [..., N] with N > 0"),
+    (lambda: ops.rms_norm(torch.zeros(1, 32769), torch.ones(32769), 1e-5), "exceeds 32768"),
+    (lambda: ops.rms_norm(_x(), torch.ones(7), 1e-5), "weight: expected shape [8]"),
+    (lambda: ops.rms_norm(_x(), torch.ones(8, dtype=torch.int64), 1e-5), "weight: dtype must be"),
+    (lambda: ops.rms_norm(_x(), torch.ones(8), float("nan")), "eps: expected a finite value >= 0"),
+    (lambda: ops.rms_norm(_x(), torch.ones(8), -1.0), "eps: expected a finite value >= 0"),
+    (lambda: ops.add_rms_norm_(_x(), torch.zeros(3, 7), torch.ones(8), 1e-5), "delta: expected the shape and dtype"),
+    (lambda: ops.add_rms_norm_(_x(), torch.zeros(3, 8).half(), torch.ones(8), 1e-5), "delta: expected the shape and dtype"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8).double(), torch.ones(2, 8), 1),
+     "cos: dtype must be float32"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 6), 1), "sin: expected the shape"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 7), torch.ones(2, 7), 1), "head_dim (dim 1) must be even"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(3, 8), torch.ones(3, 8), 1), "cos: expected one row per row"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 8), 5), "heads: expected 1 <= heads <= 4"),
+    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 8), 0), "heads: expected 1 <= heads"),
+    (lambda: ops.rotary_embedding_(torch.zeros(32, 2).t(), torch.ones(2, 8), torch.ones(2, 8), 1), "x: must be contiguous"),
+    (lambda: ops.causal_attention(torch.zeros(4, 2, 8).half(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), 1.0),
+     "q: dtype must be float32"),
+    (lambda: ops.causal_attention(torch.zeros(4, 8, 2).transpose(1, 2), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8),
+                                  1.0), "q: expected [positions, heads, head_dim] with contiguous heads"),
+    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 4, 8), torch.zeros(1, 5, 8), 1.0),
+     "v: expected the shape of k"),
+    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 1.0),
+     "k: expected [kv_heads, 4, 8]"),
+    (lambda: ops.causal_attention(torch.zeros(4, 3, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 1.0),
+     "k: kv_heads (dim 0) must divide q's 3 heads"),
+    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), float("inf")),
+     "scale: expected a finite value"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("call, fragment", BAD)
+def test_bad_input_raises_naming_the_argument(call, fragment, device):
+    """The op on CPU tensors and its fake kernel on meta tensors (torch.compile's view) raise the same error."""
+    with torch.device(device):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            call()
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "opcheck"),
+                    reason=f"torch.library.opcheck needs torch >= 2.4 (this is torch {torch.__version__})")
+def test_opcheck():
+    g = torch.Generator().manual_seed(5)
+    x, delta = torch.randn(2, 5, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    cos, sin = torch.rand(10, 8, generator=g), torch.rand(10, 8, generator=g)
+    q, k = torch.randn(7, 4, 8, generator=g), torch.randn(2, 7, 8, generator=g)
+    for op, args in ((ops.rms_norm, (x, torch.rand(32), 1e-5)), (ops.add_rms_norm_, (x, delta, torch.rand(32), 1e-5)),
+                     (ops.rotary_embedding_, (x, cos, sin, 3)), (ops.causal_attention, (q, k, k.clone(), 0.5))):
+        torch.library.opcheck(op.default, args)

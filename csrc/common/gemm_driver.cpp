@@ -17,31 +17,7 @@ namespace w8a8_cpu {
 namespace {
 
 constexpr int64_t kAlign = 64;
-constexpr int64_t kScaleRowCols = 256;  // most columns scale_row takes at once (its fp32 row buffer)
 static_assert(kMaxPanelWidth <= kScaleRowCols, "a tile row must fit scale_row");
-
-// The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
-// contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
-// acc: int32 products (int8 weights) or the fp32 group sums t of int4 weights: the same epilogue on either.
-template <typename Acc>
-void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
-  if constexpr (std::is_same_v<Acc, int32_t>) {
-    if (o.raw_int32) {
-      std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
-      return;
-    }
-  }
-  float v[kScaleRowCols];
-  void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
-  // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
-  float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
-  const float a_scale = o.a_scales[r];
-  const float* ws = o.w_scales + n0;
-  for (int64_t j = 0; j < cols; ++j) vr[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
-  if (o.bias)
-    for (int64_t j = 0; j < cols; ++j) vr[j] += o.bias[n0 + j];
-  if (vr == v) store_row_from_float(dst, o.out_kind, v, cols);
-}
 
 bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
   for (int64_t r = 0; r < m; ++r)
@@ -242,7 +218,7 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   for (int64_t r = r0; r < r1; r += mr) {
     const int rows = static_cast<int>(std::min<int64_t>(mr, r1 - r));
     kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
-    for (int i = 0; i < rows; ++i) scale_row(c + i * nr, r + i, n0, cols, o);
+    (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c, rows, nr, r, n0, cols, o);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "epilogue.h"
 #include "microkernel.h"
 #include "packed_weight.h"
 #include "parallel.h"
@@ -69,25 +70,6 @@ void prepare_rows_for(const MicroKernel& kernel, const PackedWeightView& w, int6
 }
 void pack_a_rows(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, int64_t k, int64_t k_padded,
                  uint8_t* dst, const ParallelFor& parallel_for);
-
-// What a GEMM writes, rows ldo elements apart, cast once to out_kind:
-//  int8 weights: out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]); or, with raw_int32, the exact int32
-//    accumulators themselves (scales and bias unused), for callers that add partial products before the epilogue
-//    (tensor parallelism).
-//  int4 weights (groups g of the blob's group size, the blob's group scales s and minimums mn; acc_g the exact int32
-//    products of group g): t = 0; for g in order: t = t + float(acc_g) * s[n, g]; then, int4_min weights,
-//    t = t + float(a_group_sums[r, g]) * mn[n, g]; out[r, n] = t * (a_scales[r] * w_scales[n]) (+ bias[n]): the
-//    int8 epilogue on t. One order, in the driver and the int4 tiles, for every variant.
-struct GemmOutput {
-  const float* a_scales;
-  const float* w_scales;  // [n]
-  const float* bias;      // may be null
-  void* out;
-  FloatKind out_kind;
-  int64_t ldo;
-  bool raw_int32 = false;
-  const int32_t* a_group_sums = nullptr;  // int4 weights: [m, groups] sums of A's int8 rows per group (linear())
-};
 
 // The unit of work of every driver: rows [r0, r1) of packed A times one weight panel, through the tile and the
 // epilogue into o. The caller has checked check_kernel_reads.

@@ -37,6 +37,8 @@ struct TileGeometry {
   size_t a_elem_bytes;  // bytes per element of a packed A row
 };
 
+struct GemmOutput;  // epilogue.h
+
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...
   uint64_t required_features;  // CpuFeature bits the CPU must have
@@ -85,6 +87,11 @@ struct MicroKernel {
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   void (*causal_softmax)(float* s, int64_t len, int64_t n) = nullptr;
+
+  // Optional: epilogue.h's scale_tile compiled in the variant's TU, with its ISA (null: the driver's copy). The same
+  // bits either way.
+  void (*scale_tile)(const int32_t* c, int rows, int nr, int64_t r0, int64_t n0, int64_t cols,
+                     const GemmOutput& o) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

@@ -17,6 +17,7 @@
 
 #include "../common/activation.h"
 #include "../common/cpu_features.h"
+#include "../common/epilogue.h"
 #include "../common/ref_kernel.h"
 #include "x86_common.h"
 
@@ -222,6 +223,7 @@ const MicroKernel kAvx2Kernel = {
     avx2_int4_tile,
     silu_mul_row,
     causal_softmax_row,
+    scale_tile,
 };
 
 }  // namespace w8a8_cpu

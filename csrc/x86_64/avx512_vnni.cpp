@@ -14,6 +14,7 @@
 
 #include "../common/activation.h"
 #include "../common/cpu_features.h"
+#include "../common/epilogue.h"
 #include "x86_common.h"
 
 namespace w8a8_cpu {
@@ -162,6 +163,7 @@ const MicroKernel kAvx512VnniKernel = {
     vnni_int4_tile,
     silu_mul_row,
     causal_softmax_row,
+    scale_tile,
 };
 
 }  // namespace w8a8_cpu

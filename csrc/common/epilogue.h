@@ -1,0 +1,80 @@
+// The epilogue of the GEMMs: what a GEMM writes (GemmOutput) and the one rule that turns accumulators into outputs.
+// `static` (as activation.h): the driver and each ISA-flagged variant TU compile their own copy, vectorized with that
+// TU's ISA (MicroKernel::scale_tile; SmolLM2's prefill GEMMs, K = 576: the baseline copy was ~15% of their time).
+// Fixed operation order, no FMA contraction (see CMakeLists): every copy gives the same bits.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "microkernel.h"
+
+namespace w8a8_cpu {
+
+// What a GEMM writes, rows ldo elements apart, cast once to out_kind:
+//  int8 weights: out[r, n] = float(acc) * (a_scales[r] * w_scales[n]) (+ bias[n]); or, with raw_int32, the exact int32
+//    accumulators themselves (scales and bias unused), for callers that add partial products before the epilogue
+//    (tensor parallelism).
+//  int4 weights (groups g of the blob's group size, the blob's group scales s and minimums mn; acc_g the exact int32
+//    products of group g): t = 0; for g in order: t = t + float(acc_g) * s[n, g]; then, int4_min weights,
+//    t = t + float(a_group_sums[r, g]) * mn[n, g]; out[r, n] = t * (a_scales[r] * w_scales[n]) (+ bias[n]): the
+//    int8 epilogue on t. One order, in the driver and the int4 tiles, for every variant.
+struct GemmOutput {
+  const float* a_scales;
+  const float* w_scales;  // [n]
+  const float* bias;      // may be null
+  void* out;
+  FloatKind out_kind;
+  int64_t ldo;
+  bool raw_int32 = false;
+  const int32_t* a_group_sums = nullptr;  // int4 weights: [m, groups] sums of A's int8 rows per group (linear())
+};
+
+constexpr int64_t kScaleRowCols = 256;  // most columns scale_row takes at once (its fp32 row buffer)
+
+// The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
+// contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
+// acc: int32 products (int8 weights) or the fp32 group sums t of int4 weights: the same epilogue on either.
+template <typename Acc>
+static void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
+  if constexpr (std::is_same_v<Acc, int32_t>) {
+    if (o.raw_int32) {
+      std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
+      return;
+    }
+  }
+  float v[kScaleRowCols];
+  void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
+  // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
+  float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
+  const float a_scale = o.a_scales[r];
+  const float* ws = o.w_scales + n0;
+  for (int64_t j = 0; j < cols; ++j) vr[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
+  if (o.bias)
+    for (int64_t j = 0; j < cols; ++j) vr[j] += o.bias[n0 + j];
+  if (vr == v) store_row_from_float(dst, o.out_kind, v, cols);
+}
+
+// The epilogue of one tile: rows [r0, r0 + rows) of c (nr accumulators a row), output columns [n0, n0 + cols). fp32
+// outputs (prefill's common case) in one loop nest with the branches hoisted: scale_row's operations, short rows
+// (16 columns) do not pay its per-row set-up.
+static void scale_tile(const int32_t* c, int rows, int nr, int64_t r0, int64_t n0, int64_t cols, const GemmOutput& o) {
+  if (o.raw_int32 || o.out_kind != FloatKind::f32) {
+    for (int i = 0; i < rows; ++i) scale_row(c + i * nr, r0 + i, n0, cols, o);
+    return;
+  }
+  const float* ws = o.w_scales + n0;
+  const float* bias = o.bias ? o.bias + n0 : nullptr;
+  for (int i = 0; i < rows; ++i) {
+    float* dst = static_cast<float*>(o.out) + (r0 + i) * o.ldo + n0;
+    const int32_t* acc = c + i * nr;
+    const float a_scale = o.a_scales[r0 + i];
+    if (bias)
+      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]) + bias[j];
+    else
+      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
+  }
+}
+
+}  // namespace w8a8_cpu

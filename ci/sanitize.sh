@@ -92,13 +92,13 @@ fi
 rm -f "$REPORTS"/*
 echo "  the child's overflow was reported (and its report removed)"
 
-# Bad input, edge cases and the fuzzers (packed blobs; checkpoint directories: configs, indexes and safetensors
+# Bad input, edge cases and the fuzzers (the layer ops; packed blobs; checkpoint directories: configs, indexes and safetensors
 # headers, loaded through the ASan build): everything that feeds the C++ odd shapes or hostile bytes; and every op from
 # 8 threads at once (shared scratch, at::parallel_for from several callers). Left out: the two largest MoE shapes
 # (M = 200; the smaller ones take the same code paths), opcheck and torch.compile (torch's own machinery, slow
 # under ASan, and inductor compiles C++ with LD_PRELOAD set).
 TESTS=(tests/test_bad_input.py tests/test_ops.py tests/test_moe.py tests/test_concurrency.py tests/test_non_finite.py)
-TESTS+=(tests/test_packed_weight_safety.py tests/test_checkpoint_fuzz.py)
+TESTS+=(tests/test_packed_weight_safety.py tests/test_checkpoint_fuzz.py tests/test_layer_ops.py)
 log "pytest under ASan + UBSan: ${TESTS[*]}"
 rc=0
 python3 -m pytest -q -p no:cacheprovider --durations=5 "${TESTS[@]}" \

@@ -83,65 +83,63 @@ def test_rotary_embedding_rotates_the_first_heads_in_place(dtype, positions):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prompt_attention_equals_sdpa(t, threads):
     """Blocked causal attention of a prompt (query heads grouped per KV head, each block of positions against the
-    keys up to its last one, blocks paired across threads) equals torch's causal SDPA with grouped KV heads (fp64) on
-    every position and head, q given as a strided view of a fused q/k/v output as the Decoder does."""
+    keys up to its last one, blocks paired across threads) equals causal grouped-query attention in fp64 on every
+    position and head, q given as a strided view of a fused q/k/v output as the Decoder does."""
     g = torch.Generator().manual_seed(t)
     q = torch.randn(t, 10, 16, generator=g)[:, :6]
     k, v = (torch.randn(2, t, 16, generator=g) for _ in range(2))
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q.double().transpose(0, 1).unsqueeze(0), k.double().unsqueeze(0), v.double().unsqueeze(0), is_causal=True,
-        scale=0.3, enable_gqa=True)[0].transpose(0, 1)
     got = with_threads(threads, lambda: ops.causal_attention(q, k, v, 0.3))
     assert got.shape == (t, 6, 16) and got.is_contiguous()
-    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.double(), attention_reference(q, k, v, 0.3), rtol=0, atol=2e-6)
 
 
-def _x():
-    return torch.randn(3, 8)
+def attention_reference(q, k, v, scale):
+    """softmax(scale q k^T + causal mask) v in fp64, query head h reading KV head h // (heads / kv_heads)."""
+    t, heads, _ = q.shape
+    kv = k.double().repeat_interleave(heads // k.shape[0], dim=0), v.double().repeat_interleave(heads // k.shape[0],
+                                                                                                 dim=0)
+    scores = torch.einsum("thd,hsd->hts", q.double(), kv[0]) * scale
+    scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,hsd->thd", torch.softmax(scores, dim=-1), kv[1])
 
 
+# (op, args: tensors made on the CPU, moved to the test's device; expected message fragment)
+Z = torch.zeros
 BAD = [
-    # (call, expected message fragment)
-    (lambda: ops.rms_norm(_x().int(), torch.ones(8), 1e-5), "x: dtype must be float32"),
-    (lambda: ops.rms_norm(_x().t(), torch.ones(3), 1e-5), "x: must be contiguous"),
-    (lambda: ops.rms_norm(torch.zeros(2, 0), torch.ones(0), 1e-5), "x: expected a tensor [..., N] with N > 0"),
-    (lambda: ops.rms_norm(torch.zeros(1, 32769), torch.ones(32769), 1e-5), "exceeds 32768"),
-    (lambda: ops.rms_norm(_x(), torch.ones(7), 1e-5), "weight: expected shape [8]"),
-    (lambda: ops.rms_norm(_x(), torch.ones(8, dtype=torch.int64), 1e-5), "weight: dtype must be"),
-    (lambda: ops.rms_norm(_x(), torch.ones(8), float("nan")), "eps: expected a finite value >= 0"),
-    (lambda: ops.rms_norm(_x(), torch.ones(8), -1.0), "eps: expected a finite value >= 0"),
-    (lambda: ops.add_rms_norm_(_x(), torch.zeros(3, 7), torch.ones(8), 1e-5), "delta: expected the shape and dtype"),
-    (lambda: ops.add_rms_norm_(_x(), torch.zeros(3, 8).half(), torch.ones(8), 1e-5), "delta: expected the shape and dtype"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8).double(), torch.ones(2, 8), 1),
-     "cos: dtype must be float32"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 6), 1), "sin: expected the shape"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 7), torch.ones(2, 7), 1), "head_dim (dim 1) must be even"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(3, 8), torch.ones(3, 8), 1), "cos: expected one row per row"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 8), 5), "heads: expected 1 <= heads <= 4"),
-    (lambda: ops.rotary_embedding_(torch.zeros(2, 32), torch.ones(2, 8), torch.ones(2, 8), 0), "heads: expected 1 <= heads"),
-    (lambda: ops.rotary_embedding_(torch.zeros(32, 2).t(), torch.ones(2, 8), torch.ones(2, 8), 1), "x: must be contiguous"),
-    (lambda: ops.causal_attention(torch.zeros(4, 2, 8).half(), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), 1.0),
-     "q: dtype must be float32"),
-    (lambda: ops.causal_attention(torch.zeros(4, 8, 2).transpose(1, 2), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8),
-                                  1.0), "q: expected [positions, heads, head_dim] with contiguous heads"),
-    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 4, 8), torch.zeros(1, 5, 8), 1.0),
-     "v: expected the shape of k"),
-    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 1.0),
-     "k: expected [kv_heads, 4, 8]"),
-    (lambda: ops.causal_attention(torch.zeros(4, 3, 8), torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), 1.0),
-     "k: kv_heads (dim 0) must divide q's 3 heads"),
-    (lambda: ops.causal_attention(torch.zeros(4, 2, 8), torch.zeros(1, 4, 8), torch.zeros(1, 4, 8), float("inf")),
-     "scale: expected a finite value"),
+    (ops.rms_norm, (Z(3, 8).int(), Z(8) + 1, 1e-5), "x: dtype must be float32"),
+    (ops.rms_norm, (Z(8, 3).t(), Z(3) + 1, 1e-5), "x: must be contiguous"),
+    (ops.rms_norm, (Z(2, 0), Z(0), 1e-5), "x: expected a tensor [..., N] with N > 0"),
+    (ops.rms_norm, (Z(1, 32769), Z(32769), 1e-5), "exceeds 32768"),
+    (ops.rms_norm, (Z(3, 8), Z(7), 1e-5), "weight: expected shape [8]"),
+    (ops.rms_norm, (Z(3, 8), Z(8, dtype=torch.int64), 1e-5), "weight: dtype must be"),
+    (ops.rms_norm, (Z(3, 8), Z(8), float("nan")), "eps: expected a finite value >= 0"),
+    (ops.rms_norm, (Z(3, 8), Z(8), -1.0), "eps: expected a finite value >= 0"),
+    (ops.add_rms_norm_, (Z(3, 8), Z(3, 7), Z(8), 1e-5), "delta: expected the shape and dtype"),
+    (ops.add_rms_norm_, (Z(3, 8), Z(3, 8).half(), Z(8), 1e-5), "delta: expected the shape and dtype"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(2, 8).double(), Z(2, 8), 1), "cos: dtype must be float32"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(2, 8), Z(2, 6), 1), "sin: expected the shape"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(2, 7), Z(2, 7), 1), "head_dim (dim 1) must be even"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(3, 8), Z(3, 8), 1), "cos: expected one row per row"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(2, 8), Z(2, 8), 5), "heads: expected 1 <= heads <= 4"),
+    (ops.rotary_embedding_, (Z(2, 32), Z(2, 8), Z(2, 8), 0), "heads: expected 1 <= heads"),
+    (ops.rotary_embedding_, (Z(32, 2).t(), Z(2, 8), Z(2, 8), 1), "x: must be contiguous"),
+    (ops.causal_attention, (Z(4, 2, 8).half(), Z(1, 4, 8), Z(1, 4, 8), 1.0), "q: dtype must be float32"),
+    (ops.causal_attention, (Z(4, 8, 2).transpose(1, 2), Z(1, 4, 8), Z(1, 4, 8), 1.0),
+     "q: expected [positions, heads, head_dim] with contiguous heads"),
+    (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 5, 8), 1.0), "v: expected the shape of k"),
+    (ops.causal_attention, (Z(4, 2, 8), Z(1, 3, 8), Z(1, 3, 8), 1.0), "k: expected [kv_heads, 4, 8]"),
+    (ops.causal_attention, (Z(4, 3, 8), Z(2, 4, 8), Z(2, 4, 8), 1.0), "k: kv_heads (dim 0) must divide q's 3 heads"),
+    (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), float("inf")), "scale: expected a finite value"),
 ]
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-@pytest.mark.parametrize("call, fragment", BAD)
-def test_bad_input_raises_naming_the_argument(call, fragment, device):
+@pytest.mark.parametrize("op, args, fragment", BAD)
+def test_bad_input_raises_naming_the_argument(op, args, fragment, device):
     """The op on CPU tensors and its fake kernel on meta tensors (torch.compile's view) raise the same error."""
-    with torch.device(device):
-        with pytest.raises(ValueError, match=re.escape(fragment)):
-            call()
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        op(*args)
 
 
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"),

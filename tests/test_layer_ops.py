@@ -109,11 +109,12 @@ BAD = [
     (ops.rms_norm, (Z(3, 8).int(), Z(8) + 1, 1e-5), "x: dtype must be float32"),
     (ops.rms_norm, (Z(8, 3).t(), Z(3) + 1, 1e-5), "x: must be contiguous"),
     (ops.rms_norm, (Z(2, 0), Z(0), 1e-5), "x: expected a tensor [..., N] with N > 0"),
-    (ops.rms_norm, (Z(1, 32769), Z(32769), 1e-5), "exceeds 32768"),
+    (ops.rms_norm, (Z(1, 16385), Z(16385), 1e-5), "exceeds 16384"),
     (ops.rms_norm, (Z(3, 8), Z(7), 1e-5), "weight: expected shape [8]"),
     (ops.rms_norm, (Z(3, 8), Z(8, dtype=torch.int64), 1e-5), "weight: dtype must be"),
-    (ops.rms_norm, (Z(3, 8), Z(8), float("nan")), "eps: expected a finite value >= 0"),
-    (ops.rms_norm, (Z(3, 8), Z(8), -1.0), "eps: expected a finite value >= 0"),
+    (ops.rms_norm, (Z(3, 8), Z(8), float("nan")), "eps: expected a finite float32 value >= 0"),
+    (ops.rms_norm, (Z(3, 8), Z(8), -1.0), "eps: expected a finite float32 value >= 0"),
+    (ops.rms_norm, (Z(3, 8), Z(8), 1e300), "eps: expected a finite float32 value >= 0"),
     (ops.add_rms_norm_, (Z(3, 8), Z(3, 7), Z(8), 1e-5), "delta: expected the shape and dtype"),
     (ops.add_rms_norm_, (Z(3, 8), Z(3, 8).half(), Z(8), 1e-5), "delta: expected the shape and dtype"),
     (ops.rotary_embedding_, (Z(2, 32), Z(2, 8).double(), Z(2, 8), 1), "cos: dtype must be float32"),
@@ -129,7 +130,9 @@ BAD = [
     (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 5, 8), 1.0), "v: expected the shape of k"),
     (ops.causal_attention, (Z(4, 2, 8), Z(1, 3, 8), Z(1, 3, 8), 1.0), "k: expected [kv_heads, 4, 8]"),
     (ops.causal_attention, (Z(4, 3, 8), Z(2, 4, 8), Z(2, 4, 8), 1.0), "k: kv_heads (dim 0) must divide q's 3 heads"),
-    (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), float("inf")), "scale: expected a finite value"),
+    (ops.causal_attention, (Z(4, 0, 8), Z(1, 4, 8), Z(1, 4, 8), 1.0), "q: expected at least one head"),
+    (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), float("inf")), "scale: expected a finite float32 value"),
+    (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), -1e300), "scale: expected a finite float32 value"),
 ]
 
 
@@ -140,6 +143,39 @@ def test_bad_input_raises_naming_the_argument(op, args, fragment, device):
     args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
     with pytest.raises(ValueError, match=re.escape(fragment)):
         op(*args)
+
+
+def test_overlapping_operands_are_rejected():
+    """An in-place op whose other operand shares x's memory would read what it has already written: a ValueError (an
+    operand that is x itself, h += h, is fine: each row reads its own elements before writing them)."""
+    buffer = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="delta: overlaps x in part"):
+        ops.add_rms_norm_(buffer[:4], buffer[1:], torch.ones(8), 1e-5)
+    h = torch.randn(3, 8)
+    doubled = ops.add_rms_norm_(h.clone(), h.clone(), torch.ones(8), 1e-5)
+    same = h.clone()
+    assert torch.equal(ops.add_rms_norm_(same, same, torch.ones(8), 1e-5), doubled) and torch.equal(same, h + h)
+    qkv = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="cos: overlaps x"):
+        ops.rotary_embedding_(qkv, qkv.view(-1)[:16].view(2, 8), torch.ones(2, 8), 2)
+
+
+def test_non_finite_scores_give_nan_rows():
+    """A NaN or Inf in q makes that position's output NaN (every head of its KV group reads it), as torch's softmax
+    would; a non-finite key makes every later position NaN; the positions before it stay exact."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(40, 4, 8, generator=g), torch.randn(2, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    for bad in (float("nan"), float("inf")):
+        q_bad = q.clone()
+        q_bad[7, 0, 3] = bad
+        out = ops.causal_attention(q_bad, k, v, 0.5)
+        assert out[7, 0].isnan().all() and not out[7, 1:].isnan().any()
+        assert not out[torch.arange(40) != 7].isnan().any()
+        k_bad = k.clone()
+        k_bad[1, 20, 0] = bad
+        out = ops.causal_attention(q, k_bad, v, 0.5)
+        assert out[20:, 2:].isnan().all() and not out[:20].isnan().any() and not out[:, :2].isnan().any()
+        torch.testing.assert_close(out[:20].double(), attention_reference(q, k, v, 0.5)[:20], rtol=0, atol=2e-6)
 
 
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"),

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace w8a8_cpu {
 
@@ -36,16 +38,17 @@ static void silu_mul_row(float* gate, const float* up, int64_t n) {
   for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
 }
 
-// Sum of v[i] (or of v[i]^2) in one fixed order: 16 running lane sums (a vector register's worth, so the loop
-// vectorizes without reassociation), then the lanes in order.
+// Sum of v[i] * factor (or of v[i]^2) in one fixed order: 16 running lane sums (a vector register's worth, so the
+// loop vectorizes without reassociation), then the lanes in order. factor 0 sums to NaN exactly when some v[i] is
+// NaN or Inf (a finiteness check in the same loop shape).
 template <bool kSquare>
-static float lane_sum(const float* v, int64_t n) {
+static float lane_sum(const float* v, int64_t n, float factor = 1.f) {
   constexpr int kLanes = 16;
   float lane[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += kSquare ? v[i + j] * v[i + j] : v[i + j];
-  for (int j = 0; i < n; ++i, ++j) lane[j] += kSquare ? v[i] * v[i] : v[i];
+    for (int j = 0; j < kLanes; ++j) lane[j] += kSquare ? v[i + j] * v[i + j] : v[i + j] * factor;
+  for (int j = 0; i < n; ++i, ++j) lane[j] += kSquare ? v[i] * v[i] : v[i] * factor;
   float sum = 0.f;
   for (int j = 0; j < kLanes; ++j) sum += lane[j];
   return sum;
@@ -65,7 +68,14 @@ static float lane_max(const float* v, int64_t n) {
 
 // Softmax of one row of attention scores s[0, n) under a causal mask, in place: s[j] = exp(s[j] - max) / sum for
 // j < len (1 <= len <= n: the keys at or before the query's position; max and sum over those), s[j] = 0 beyond.
+// A NaN or Inf among the kept scores makes the row NaN, as torch's softmax does (exp_poly's clamp and the lane
+// maxima would otherwise pass over it and return weights that look valid).
 static void causal_softmax_row(float* s, int64_t len, int64_t n) {
+  if (std::isnan(lane_sum<false>(s, len, 0.f))) {
+    std::fill(s, s + len, std::numeric_limits<float>::quiet_NaN());
+    std::fill(s + len, s + n, 0.f);
+    return;
+  }
   const float max = lane_max(s, len);
   for (int64_t j = 0; j < len; ++j) s[j] = exp_poly(s[j] - max);
   const float inv = 1.f / lane_sum<false>(s, len);

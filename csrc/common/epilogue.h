@@ -1,6 +1,7 @@
 // The epilogue of the GEMMs: what a GEMM writes (GemmOutput) and the one rule that turns accumulators into outputs.
 // `static` (as activation.h): the driver and each ISA-flagged variant TU compile their own copy, vectorized with that
-// TU's ISA (MicroKernel::scale_tile; SmolLM2's prefill GEMMs, K = 576: the baseline copy was ~15% of their time).
+// TU's ISA (MicroKernel::scale_tile; SmolLM2's prefill GEMMs, K = 576: the epilogue took 19% of the tile's time in
+// the baseline copy, 9% in the AVX-512 one).
 // Fixed operation order, no FMA contraction (see CMakeLists): every copy gives the same bits.
 #pragma once
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "activation.h"
 
@@ -10,19 +9,15 @@ namespace w8a8_cpu {
 
 namespace {
 
-// Elements [0, n) of a row of kind `kind` into fp32.
+// Elements [0, n) of a bf16 / fp16 row into fp32 (fp32 rows are used in place).
 void load_row_as_float(const void* x, FloatKind kind, int64_t n, float* v) {
-  if (kind == FloatKind::f32) {
-    std::memcpy(v, x, static_cast<size_t>(n) * 4);
-    return;
-  }
   for (int64_t i = 0; i < n; ++i) v[i] = load_as_float(x, kind, i);
 }
 
 }  // namespace
 
 void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kind, const float* weight, float eps,
-                  int64_t n, void* y, FloatKind out_kind) {
+                  int64_t n, void* y) {
   // fp32 rows are read and written in place; other kinds through an fp32 copy.
   float copy[kMaxNormRow];
   const float* v = static_cast<const float*>(delta ? sum_out : x);
@@ -41,9 +36,9 @@ void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kin
     for (int64_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
   }
   const float inv = 1.f / std::sqrt(lane_sum<true>(v, n) / static_cast<float>(n) + eps);
-  float* out = out_kind == FloatKind::f32 ? static_cast<float*>(y) : copy;
+  float* out = kind == FloatKind::f32 ? static_cast<float*>(y) : copy;
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (v[i] * inv);
-  if (out != y) store_row_from_float(y, out_kind, out, n);
+  if (out != y) store_row_from_float(y, kind, out, n);
 }
 
 void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* cos, const float* sin) {

@@ -11,16 +11,16 @@
 
 namespace w8a8_cpu {
 
-// Most elements of a normed row and of a rotated head (their fp32 copies live on the stack, 128 KiB and 4 KiB):
-// hidden sizes of today's LLMs are <= 16384, head sizes <= 256.
-constexpr int64_t kMaxNormRow = 32768;
+// Most elements of a normed row and of a rotated head (their fp32 copies of bf16/fp16 rows live on the stack,
+// 64 KiB and 4 KiB): hidden sizes of today's LLMs are <= 16384, head sizes <= 256.
+constexpr int64_t kMaxNormRow = 16384;
 constexpr int64_t kMaxHeadDim = 1024;
 
 // y = weight * (v / sqrt(mean(v^2) + eps)) over one row of n elements (transformers' RMSNorm), where v = x, or
 // v = x + delta written to sum_out when delta is not null (the pre-norm residual stream: h += delta; y = norm(h);
-// sum_out may be x). x, delta and sum_out are of kind `kind`, y of `out_kind`, weight fp32; n <= kMaxNormRow.
+// sum_out may be x). x, delta, sum_out and y are of kind `kind`, weight fp32; n <= kMaxNormRow.
 void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kind, const float* weight, float eps,
-                  int64_t n, void* y, FloatKind out_kind);
+                  int64_t n, void* y);
 
 // Rotary embedding in place on the first `heads` heads of one row (heads x d elements of kind `kind`), the
 // "rotate half" form of Llama-family models: for i < d/2, with x1 = x[i], x2 = x[i + d/2],

@@ -78,7 +78,7 @@ struct MicroKernel {
   // Optional W4A8 tile (null: the driver widens int4 panels to int8 blocks and runs `tile` on each group). For m <= mr
   // rows of plain int8 A (values in [-127, 127], zero-padded to the panel's k, rows a_row_stride bytes apart) and one
   // int4 panel (packed_weight.h, WeightScheme: nibbles, then scales [groups][nr], then with has_mins minimums
-  // [groups][nr]; any alignment): t[i * nr + j] = the fp32 group sum in GemmOutput's fixed order (gemm_driver.h) over
+  // [groups][nr]; any alignment): t[i * nr + j] = the fp32 group sum in GemmOutput's fixed order (epilogue.h) over
   // exact int32 group products, a_group_sums[i * groups + g] being row i's sum over group g.
   void (*int4_tile)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout layout,
                     int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) = nullptr;

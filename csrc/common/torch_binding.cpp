@@ -2,6 +2,7 @@
 // torch.ops.w8a8_cpu.*. All arithmetic lives in the driver and the micro-kernels.
 #include <ATen/ATen.h>
 #include <ATen/MapAllocator.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -549,7 +550,7 @@ int64_t layer_row_length(const at::Tensor& x, const char* arg, int64_t max_n) {
   return x.size(-1);
 }
 
-// Rows [0, m) of n elements each through body(r), in chunks of about 64 KiB of input (decode's single row: inline).
+// Rows [0, m) of n elements each through body(r), in chunks of about 16384 elements (decode's single row: inline).
 void for_each_row(int64_t m, int64_t n, const std::function<void(int64_t)>& body) {
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) body(r);
@@ -563,12 +564,16 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor* delta, const at:
     TORCH_CHECK_VALUE(delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
                       "delta: expected the shape and dtype of x, ", x.sizes(), " ", x.scalar_type(), ", got ",
                       delta->sizes(), " ", delta->scalar_type());
+    // x is written row by row while delta is read: delta may be x itself, not a shifted view of it
+    TORCH_CHECK_VALUE(at::get_overlap_status(x, *delta) != at::MemOverlapStatus::Partial,
+                      "delta: overlaps x in part (x is updated in place); pass a copy");
   }
   check_cpu(weight, "weight");
   float_kind(weight.scalar_type(), "weight");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n, "weight: expected shape [", n,
                     "] (the last dimension of x), got ", weight.sizes());
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, "eps: expected a finite value >= 0, got ", eps);
+  TORCH_CHECK_VALUE(eps >= 0 && eps <= std::numeric_limits<float>::max(), "eps: expected a finite float32 value >= 0, "
+                    "got ", eps);
   const at::Tensor w = aligned(weight.to(at::kFloat).contiguous());
   const at::Tensor xs = aligned(x), ds = delta ? aligned(*delta) : at::Tensor();
   const FloatKind kind = float_kind(x.scalar_type(), "x");
@@ -580,7 +585,8 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor* delta, const at:
     const int64_t at = r * n * bytes;
     const bool add = delta != nullptr;
     rms_norm_row(src + at, add ? static_cast<const char*>(ds.data_ptr()) + at : nullptr,
-                 add ? const_cast<char*>(src) + at : nullptr, kind, w.data_ptr<float>(), static_cast<float>(eps), n, dst + at, kind);
+                 add ? const_cast<char*>(src) + at : nullptr, kind, w.data_ptr<float>(), static_cast<float>(eps), n,
+                 dst + at);
   });
   if (delta && !xs.is_same(x)) x.copy_(xs);  // x was not aligned: the sums went to the copy
   return out;
@@ -612,8 +618,12 @@ void rotary_embedding_op(at::Tensor& x, const at::Tensor& cos, const at::Tensor&
                     " positions), got ", positions);
   TORCH_CHECK_VALUE(heads >= 1 && heads <= n / d, "heads: expected 1 <= heads <= ", n / d, " (heads of ", d,
                     " in a row of ", n, "), got ", heads);
+  for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{cos, "cos"}, {sin, "sin"}})
+    TORCH_CHECK_VALUE(at::get_overlap_status(x, t) == at::MemOverlapStatus::No, arg,
+                      ": overlaps x (x is rotated in place); pass a copy");
   const at::Tensor c = aligned(cos), s = aligned(sin);
-  TORCH_CHECK_VALUE(aligned(x).is_same(x), "x: data must be aligned to its element size (rotated in place)");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(x.data_ptr()) % x.element_size() == 0,
+                    "x: data must be aligned to its element size (rotated in place)");
   const FloatKind kind = float_kind(x.scalar_type(), "x");
   auto* rows = static_cast<char*>(x.data_ptr());
   for_each_row(positions, heads * d, [&](int64_t r) {
@@ -634,8 +644,11 @@ at::Tensor float_matrix(const float* data, int64_t rows, int64_t cols, int64_t l
 // Causal self-attention of a prompt: q [T, heads, d] (positions 0..T-1), k and v [kv_heads, T, d]; returns
 // out [T, heads, d] = softmax(scale q k^T, causal) v per head, the query heads of one KV head sharing it (grouped-
 // query attention). Tasks are (KV head, pair of query blocks), a block of positions with the keys up to its last
-// position only: about half the work of a masked T x T product, and every task (block b with block B-1-b) the same
-// size, so at::parallel_for's equal split of the tasks balances the threads. Each block: its query rows (scaled) into
+// position only: about half the work of a masked T x T product, and every task (block b with block B-1-b; the middle
+// block alone when B is odd) the same size, so at::parallel_for's equal split of the tasks balances the threads. Its
+// GEMMs run inside the parallel region, one thread each, so the bits do not depend on the thread count; a prompt
+// that is a single task (one KV head, at most 64 positions) runs on the calling thread, whose at::mm may use
+// torch's intra-op threads. Each block: its query rows (scaled) into
 // a contiguous copy, the scores by at::mm (torch's fp32 GEMM), the causal softmax on them in place, at::mm with V.
 at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
@@ -645,16 +658,17 @@ at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const a
                       ": expected [", std::string(arg) == "q" ? "positions, heads" : "kv_heads, positions",
                       ", head_dim] with contiguous heads (strides [any, head_dim, 1]), got shape ", t.sizes(),
                       " and strides ", t.strides());
-    TORCH_CHECK_VALUE(aligned(t).is_same(t), arg, ": data must be aligned to 4 bytes");
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, arg, ": data must be aligned to 4 bytes");
   }
   const int64_t positions = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "v: expected the shape of k, ", k.sizes(), ", got ", v.sizes());
   TORCH_CHECK_VALUE(k.size(1) == positions && k.size(2) == d, "k: expected [kv_heads, ", positions, ", ", d,
                     "] (q's positions and head_dim), got ", k.sizes());
+  TORCH_CHECK_VALUE(heads > 0, "q: expected at least one head, got shape ", q.sizes());
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "k: kv_heads (dim 0) must divide q's ", heads,
                     " heads, got ", kv_heads);
-  TORCH_CHECK_VALUE(d <= kMaxHeadDim, "q: head_dim ", d, " exceeds ", kMaxHeadDim);
-  TORCH_CHECK_VALUE(std::isfinite(scale), "scale: expected a finite value, got ", scale);
+  TORCH_CHECK_VALUE(std::fabs(scale) <= std::numeric_limits<float>::max(), "scale: expected a finite float32 value, "
+                    "got ", scale);
   auto out = at::empty({positions, heads, d}, q.options());
   const int64_t group = heads / kv_heads, blocks = (positions + kAttentionBlock - 1) / kAttentionBlock;
   const int64_t pairs = (blocks + 1) / 2, rows_max = kAttentionBlock * group;

@@ -7,14 +7,13 @@ strides, devices. Checks that read data (NaN/Inf activations in strict mode, top
 magic, N and K) are the real op's alone."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
 
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
-_MAX_NORM_ROW, _MAX_HEAD_DIM = 32768, 1024  # kMaxNormRow, kMaxHeadDim in csrc/common/layer_ops.h
+_MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow, kMaxHeadDim in csrc/common/layer_ops.h
+_FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -160,8 +159,8 @@ def _rms_norm_rows(x, delta, weight, eps):  # rms_norm_rows
     _check_float(weight.dtype, "weight")
     if weight.dim() != 1 or weight.shape[0] != n:
         raise ValueError(f"weight: expected shape [{n}] (the last dimension of x), got {list(weight.shape)}")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps}")
+    if not 0 <= eps <= _FLOAT32_MAX:
+        raise ValueError(f"eps: expected a finite float32 value >= 0, got {eps}")
     return x.new_empty(x.shape)
 
 
@@ -359,12 +358,12 @@ def register() -> None:
         if k.shape[1] != positions or k.shape[2] != d:
             raise ValueError(f"k: expected [kv_heads, {positions}, {d}] (q's positions and head_dim), got "
                              f"{list(k.shape)}")
+        if heads <= 0:
+            raise ValueError(f"q: expected at least one head, got shape {list(q.shape)}")
         if k.shape[0] <= 0 or heads % k.shape[0]:
             raise ValueError(f"k: kv_heads (dim 0) must divide q's {heads} heads, got {k.shape[0]}")
-        if d > _MAX_HEAD_DIM:
-            raise ValueError(f"q: head_dim {d} exceeds {_MAX_HEAD_DIM}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: expected a finite value, got {scale}")
+        if not abs(scale) <= _FLOAT32_MAX:
+            raise ValueError(f"scale: expected a finite float32 value, got {scale}")
         return q.new_empty((positions, heads, d))
 
     @register_fake("w8a8_cpu::pack_weight")

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -340,6 +341,16 @@ void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
     }
     CHECK(worst < 2e-6, "%s: causal_softmax off by %g from exp(s - max) / sum (n = %lld)", kern.name, worst,
           static_cast<long long>(n));
+    // a NaN or Inf among the kept scores: a NaN row (the masked tail still 0), in every copy
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      std::vector<float> poisoned = scores;
+      poisoned[len - 1] = bad;
+      causal_softmax(kern, poisoned.data(), len, n);
+      bool ok = true;
+      for (int64_t j = 0; j < n; ++j) ok = ok && (j < len ? std::isnan(poisoned[j]) : poisoned[j] == 0.f);
+      CHECK(ok, "%s: causal_softmax of a row holding %g is not NaN (n = %lld)", kern.name, bad,
+            static_cast<long long>(n));
+    }
   }
 }
 

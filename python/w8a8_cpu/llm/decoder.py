@@ -33,7 +33,7 @@ class _RMSNorm:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float) or \
                 not type(module).__name__.endswith("RMSNorm"):
             raise ValueError(f"{where}: expected an RMSNorm (weight, variance_epsilon), got {type(module).__name__}")
-        self.weight, self.eps = weight.detach().float().contiguous(), eps
+        self.weight, self.eps = weight.detach(), eps  # the op reads it as fp32 (the module's own tensor: no copy)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.w8a8_cpu.rms_norm(x, self.weight, self.eps)

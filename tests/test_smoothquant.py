@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import smooth_quant  # noqa: E402
+from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant  # noqa: E402
 from w8a8_cpu.nn import quantize_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -218,3 +218,47 @@ def test_bad_group_size_changes_nothing(group_size, message):
     with pytest.raises(ValueError, match=message):
         smooth_quant(model, token_ids(seed=1), group_size=group_size)
     assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_one_calibration_serves_several_copies(model_type):
+    """calibrate_smoothing measures once (the model left as it is); smooth_quant(copy, statistics=...) then gives
+    each unsmoothed copy exactly the weights smooth_quant with the calibration itself gives, per channel and in
+    groups, with the same report but for its timings."""
+    model = tiny_model(model_type)
+    before = copy.deepcopy(model.state_dict())
+    ids = token_ids(seed=1, batch=4)
+    statistics = calibrate_smoothing(model, ids)
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in before.items())
+    assert statistics.tokens == ids.numel()
+    for alpha, group in ((0.5, None), (0.85, 16)):
+        direct, reused = tiny_model(model_type), copy.deepcopy(model)
+        want = smooth_quant(direct, ids, alpha=alpha, group_size=group)
+        got = smooth_quant(reused, alpha=alpha, group_size=group, statistics=statistics)
+        for name, tensor in direct.state_dict().items():
+            assert torch.equal(reused.state_dict()[name], tensor), (alpha, name)
+        assert got.inputs == want.inputs and got.not_smoothed == want.not_smoothed and got.tokens == want.tokens
+        assert got.logit_drift == want.logit_drift < FP32_TOLERANCE
+
+
+def test_statistics_arguments_are_checked():
+    model = tiny_model("llama")
+    ids = token_ids(seed=1)
+    statistics = calibrate_smoothing(model, ids)
+    with pytest.raises(ValueError, match="calibration: give calibration token ids or statistics"):
+        smooth_quant(copy.deepcopy(model), ids, statistics=statistics)
+    with pytest.raises(ValueError, match="calibration: give calibration token ids or statistics"):
+        smooth_quant(copy.deepcopy(model))
+    with pytest.raises(ValueError, match="mappings: the statistics hold the pairs"):
+        smooth_quant(copy.deepcopy(model), statistics=statistics, mappings=[("input_layernorm", ["self_attn.q_proj"])])
+    with pytest.raises(ValueError, match="statistics: expected calibrate_smoothing's SmoothingStatistics"):
+        smooth_quant(copy.deepcopy(model), statistics={"x": 1})
+    other = tiny_model("qwen3_moe")  # another layer structure: the measured consumers are not there
+    weights = copy.deepcopy(other.state_dict())
+    with pytest.raises(ValueError, match="statistics: layer 0"):
+        smooth_quant(other, statistics=statistics)
+    assert all(torch.equal(other.state_dict()[name], want) for name, want in weights.items())
+    wider = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("llama", **dict(TINY, num_hidden_layers=3), **ARCHITECTURES["llama"]))
+    with pytest.raises(ValueError, match="statistics: measured on a model of 2 decoder layers, this one has 3"):
+        smooth_quant(wider, statistics=statistics)

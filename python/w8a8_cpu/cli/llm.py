@@ -20,7 +20,7 @@ import torch
 import w8a8_cpu
 from w8a8_cpu.llm import evaluate, smollm2
 from w8a8_cpu.llm.decoder import Decoder
-from w8a8_cpu.llm.smoothquant import smooth_quant
+from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
 
 from .baselines import ao_dynamic
 from .timing import Progress, interleaved, medians
@@ -134,8 +134,10 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     if prepare_w8a8:
         prepare_w8a8(RTN, models[RTN])
     progress.step(f"SmoothQuant calibration ({calibration_tokens} tokens)")
+    # one calibration of the float model serves every smoothed copy (per channel here, in groups for W4A8 min-max)
+    smoothing_statistics = calibrate_smoothing(fp32, calib_ids.unsqueeze(0))
     smoothed = copy.deepcopy(fp32)
-    smooth_report = smooth_quant(smoothed, calib_ids.unsqueeze(0), alpha=SMOOTHQUANT_ALPHA)
+    smooth_report = smooth_quant(smoothed, alpha=SMOOTHQUANT_ALPHA, statistics=smoothing_statistics)
     smoothed_for_int4 = copy.deepcopy(smoothed) if int8_output_layer else None
     if int8_output_layer:
         models[SQ_FP32_HEAD] = quantize_for_job(copy.deepcopy(smoothed), False)
@@ -144,7 +146,8 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         progress.step(f"W4A8 (int4 in groups of {W4A8_GROUP}): min-max after grouped SmoothQuant, symmetric after "
                       f"SmoothQuant with GPTQ ({gptq_ids.numel()} calibration tokens)")
         smoothed_in_groups = copy.deepcopy(fp32)
-        smooth_quant(smoothed_in_groups, calib_ids.unsqueeze(0), alpha=W4A8_ASYM_SQ_ALPHA, group_size=W4A8_GROUP)
+        smooth_quant(smoothed_in_groups, alpha=W4A8_ASYM_SQ_ALPHA, group_size=W4A8_GROUP,
+                     statistics=smoothing_statistics)
         models[W4A8_ASYM] = quantize_for_job(smoothed_in_groups, True, scheme="w4a8", min_max=True)
         models[W4A8_SYM_SQ] = quantize_for_job(
             smoothed_for_int4, True, scheme="w4a8", calibration=gptq_ids.unsqueeze(0),
@@ -181,7 +184,9 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         "evaluation_text": str(EVAL_TEXT), "calibration_text": str(CALIBRATION_TEXT),
         "eval_tokens": eval_tokens, "window": window, "stride": stride,
         "calibration_tokens": calibration_tokens, "smoothquant_alpha": SMOOTHQUANT_ALPHA,
-        "smoothquant": {"inputs": len(smooth_report.inputs), "seconds": smooth_report.total_seconds,
+        "smoothquant": {"inputs": len(smooth_report.inputs),
+                        "seconds": smooth_report.discovery_seconds + smooth_report.calibration_seconds +
+                        smooth_report.total_seconds,
                         "logit_drift": smooth_report.logit_drift,
                         "worst_outlier_before": max(i.outlier_before for i in smooth_report.inputs),
                         "worst_outlier_after": max(i.outlier_after for i in smooth_report.inputs)},

@@ -145,7 +145,7 @@ def _run(args, parser) -> int:
     transformers_logging.disable_progress_bar()  # this command's own progress bar reports the steps
 
     from w8a8_cpu.llm.checkpoint import save_compressed
-    from w8a8_cpu.llm.smoothquant import smooth_quant
+    from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
     from w8a8_cpu.llm.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import quantize_model
 
@@ -163,12 +163,16 @@ def _run(args, parser) -> int:
     rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None
     t0 = time.perf_counter()
 
+    smoothing = {}  # the float model's SmoothQuant statistics, measured once for every alpha of a search
+
     def quantized(alpha: Optional[float]) -> torch.nn.Module:
         """A quantized copy of the float model, smoothed first with alpha (None: not); `model` stays float."""
         candidate = copy.deepcopy(model)
         if alpha is not None:
             try:
-                smooth_quant(candidate, calibration, alpha=alpha)
+                if not smoothing:
+                    smoothing["statistics"] = calibrate_smoothing(model, calibration)
+                smooth_quant(candidate, alpha=alpha, statistics=smoothing["statistics"])
             except ValueError as e:
                 raise CommandError(f"SmoothQuant cannot run on this model: {e}; quantize without it: "
                                    f"--smoothquant none") from None

@@ -1,6 +1,8 @@
 """LLM-level tools: SmoothQuant, W8A8 checkpoints in and out, and the SmolLM2 main job.
 
     smooth_quant(model, calibration_ids, alpha=0.5)   # fold activation outliers into the weights (float model)
+    stats = calibrate_smoothing(model, calibration_ids)  # measure once, then smooth copies: smooth_quant(copy,
+                                                         # alpha=a, statistics=stats)
     quantize_model(model, skip=["lm_head"])             # w8a8_cpu.nn: Linear -> W8A8Linear, experts -> W8A8Experts
     save_compressed(model, directory)                   # a compressed-tensors int-quantized checkpoint
     model = load_quantized(directory)                   # compressed-tensors int-quantized or sglang w8a8_int8
@@ -13,6 +15,7 @@ import importlib
 
 _EXPORTS = {
     "smooth_quant": "smoothquant",
+    "calibrate_smoothing": "smoothquant",
     "SmoothingReport": "smoothquant",
     "calibrate_static_activations": "static_activations",
     "save_compressed": "checkpoint",

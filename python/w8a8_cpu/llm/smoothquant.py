@@ -68,6 +68,9 @@ _DISCOVERY_TOKENS = 16
 # layer adds to its input by a good part of its size, a right one by rounding (~1e-6 of it).
 _CHECK_LOG_SCALE = 1.5
 _CHECK_TOLERANCE = 1e-4
+# logit_drift compares the output on this many tokens of the first calibration sequence before and after folding
+# (the statistics keep those logits: T x vocab floats, not the whole first batch's).
+_DRIFT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class SmoothingReport:
     tokens: int
     discovery_seconds: float  # deriving the pairs (0 with explicit mappings)
     calibration_seconds: float  # forward passes of the float model with the statistics hooks
-    total_seconds: float  # discovery + calibration + scales + folding + the logit_drift forward
-    logit_drift: float  # max |output after - before| / max |output before|, first calibration batch
+    total_seconds: float  # discovery + calibration (when measured by this call) + scales + folding + the drift forward
+    logit_drift: float  # max |output after - before| / max |output before|, first 64 calibration tokens
     inputs: Tuple[SmoothedInput, ...]
     not_smoothed: Tuple[NotSmoothed, ...]  # derived pairs only; explicit mappings are not analysed
 
@@ -638,35 +641,54 @@ def _output_tensor(output) -> torch.Tensor:
     return output.logits if hasattr(output, "logits") else output[0]
 
 
+class SmoothingStatistics:
+    """What smooth_quant measures on a float model before it folds anything: the pairs (and the inputs left out),
+    each smoothed input's per-channel absmax over the calibration tokens, and the model's output on the first
+    calibration tokens (for logit_drift). calibrate_smoothing returns it; smooth_quant(copy, statistics=...) folds it into an
+    unsmoothed copy of the model it was measured on (copy.deepcopy before any smoothing): one calibration for
+    several alphas or group sizes (an alpha search, W8A8 and int4 copies of one model)."""
+
+    def __init__(self, sites: Sequence[_Site], not_smoothed: Tuple[NotSmoothed, ...], layers: int, tokens: int,
+                 discovery_seconds: float, calibration_seconds: float, drift_tokens: torch.Tensor,
+                 output_before: torch.Tensor):
+        self._sites = [(site.layer, site.pair, site.x_absmax,
+                        site.expert_seen if site.per_expert else None) for site in sites]
+        self.not_smoothed, self.layers, self.tokens = not_smoothed, layers, tokens
+        self.discovery_seconds, self.calibration_seconds = discovery_seconds, calibration_seconds
+        self.drift_tokens, self.output_before = drift_tokens, output_before
+
+    def sites_of(self, model: torch.nn.Module) -> List[_Site]:
+        """The measured sites bound to `model`'s modules (the same architecture, names and shapes), else
+        ValueError."""
+        layers = _decoder_layers(model)
+        if len(layers) != self.layers:
+            raise ValueError(f"statistics: measured on a model of {self.layers} decoder layers, this one has "
+                             f"{len(layers)}")
+        sites = []
+        for index, pair, x_absmax, expert_seen in self._sites:
+            modules = dict(layers[index].named_modules())
+            missing = [name for name in (pair.producer, *pair.consumers) if name not in modules]
+            if missing:
+                raise ValueError(f"statistics: layer {index} of this model has no {', '.join(missing)}: measured "
+                                 f"on another architecture")
+            site = _Site(index, pair, modules)
+            shape = tuple(site.x_absmax.shape) if site.per_expert else \
+                (_scale_shape(pair, modules)[-1] * pair.groups,)
+            if x_absmax is not None and tuple(x_absmax.shape) != shape:
+                raise ValueError(f"statistics: layer {index}: {pair.consumers[0]} reads {shape} channels here, "
+                                 f"{tuple(x_absmax.shape)} where they were measured")
+            site.x_absmax = x_absmax
+            if expert_seen is not None:
+                site.expert_seen = expert_seen
+            sites.append(site)
+        return sites
+
+
 @torch.no_grad()
-def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor]],
-                 alpha: float = 0.5, mappings: Optional[Sequence[Mapping]] = None,
-                 group_size: Optional[int] = None) -> SmoothingReport:
-    """Smooth `model`'s activation outliers into its weights, in place; the float model keeps its function.
-
-    calibration: token ids [B, T] or an iterable of such batches, run through the float model to collect
-    each smoothed input's per-channel absmax. alpha in [0, 1]: the share of the outliers moved to the
-    weights. mappings: (producer, consumers) pairs relative to a decoder layer (see the module docstring);
-    by default derived from the model, on the first 16 tokens of the first batch, and the report lists the
-    inputs left as they are (not_smoothed) with why. group_size: one s per aligned group of that many input
-    channels (see the module docstring; for int4 weights in groups of that size; every smoothed input must hold
-    whole groups, else ValueError before anything changes); None: per channel. Call before quantize_model.
-
-    Statistics: an input read by an MoE block (router, shared expert, all experts) is measured over every
-    token reaching the block, because the norm in front of it has one scale per channel for all of them
-    and the router and shared expert read every token; down_proj[e]'s input is measured over the tokens
-    routed to expert e, since each expert gets its own s_e. Experts without calibration tokens keep s = 1.
-
-    Cost: the pair discovery (a 16-token forward, then each distinct layer structure run alone once per
-    candidate fold: tens of single-layer runs on 16 tokens), one float forward over the calibration tokens
-    with light hooks (MoE layers also recompute each expert's gate_up for its tokens, about doubling the
-    expert work), elementwise folds over the smoothed weights, and one forward of the first batch to measure
-    logit_drift. Returns a SmoothingReport."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
-    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or
-                                   group_size < 1):
-        raise ValueError(f"group_size: expected None or an int >= 1, got {group_size!r}")
+def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor]],
+                        mappings: Optional[Sequence[Mapping]] = None) -> SmoothingStatistics:
+    """smooth_quant's measuring half, the model left as it is: the pairs (derived, or mappings), then one float
+    forward over the calibration batches with the statistics hooks. See smooth_quant for the arguments."""
     layers = _decoder_layers(model)
     batches = _batches(calibration)
     first_batch = next(batches, None)
@@ -685,28 +707,86 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
         discovery_seconds = time.perf_counter() - start
         sites = [_Site(index, pair, dict(layers[index].named_modules()))
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]
-        if group_size is not None:
-            for site in sites:
-                site.check_group_size(group_size)
         handles = [site.attach() for site in sites]
         tokens, output_before = 0, None
         try:
             for batch in itertools.chain([first_batch], batches):
                 output = _output_tensor(model(batch.to(device)))
-                output_before = output.float() if output_before is None else output_before
+                if output_before is None:  # a causal model: the first positions' logits, whatever follows
+                    output_before = output[:1, :_DRIFT_TOKENS].float()
                 tokens += batch.numel()
         finally:
             for handle in handles:
                 handle.remove()
-        calibration_seconds = time.perf_counter() - start - discovery_seconds
+    finally:
+        model.train(was_training)
+    return SmoothingStatistics(sites, not_smoothed, len(layers), tokens, discovery_seconds,
+                               time.perf_counter() - start - discovery_seconds, first_batch[:1, :_DRIFT_TOKENS],
+                               output_before)
+
+
+@torch.no_grad()
+def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor], None] = None,
+                 alpha: float = 0.5, mappings: Optional[Sequence[Mapping]] = None,
+                 group_size: Optional[int] = None, statistics: Optional[SmoothingStatistics] = None
+                 ) -> SmoothingReport:
+    """Smooth `model`'s activation outliers into its weights, in place; the float model keeps its function.
+
+    calibration: token ids [B, T] or an iterable of such batches, run through the float model to collect
+    each smoothed input's per-channel absmax. alpha in [0, 1]: the share of the outliers moved to the
+    weights. mappings: (producer, consumers) pairs relative to a decoder layer (see the module docstring);
+    by default derived from the model, on the first 16 tokens of the first batch, and the report lists the
+    inputs left as they are (not_smoothed) with why. group_size: one s per aligned group of that many input
+    channels (see the module docstring; for int4 weights in groups of that size; every smoothed input must hold
+    whole groups, else ValueError before anything changes); None: per channel. Call before quantize_model.
+    statistics: instead of calibration (and mappings), what calibrate_smoothing measured on this model before
+    any smoothing (or on the model this one is an unsmoothed copy of): no forward passes but logit_drift's.
+
+    Statistics: an input read by an MoE block (router, shared expert, all experts) is measured over every
+    token reaching the block, because the norm in front of it has one scale per channel for all of them
+    and the router and shared expert read every token; down_proj[e]'s input is measured over the tokens
+    routed to expert e, since each expert gets its own s_e. Experts without calibration tokens keep s = 1.
+
+    Cost: the pair discovery (a 16-token forward, then each distinct layer structure run alone once per
+    candidate fold: tens of single-layer runs on 16 tokens), one float forward over the calibration tokens
+    with light hooks (MoE layers also recompute each expert's gate_up for its tokens, about doubling the
+    expert work), elementwise folds over the smoothed weights, and one forward of the first 64 tokens to measure
+    logit_drift. Returns a SmoothingReport."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or
+                                   group_size < 1):
+        raise ValueError(f"group_size: expected None or an int >= 1, got {group_size!r}")
+    if (statistics is None) == (calibration is None):
+        raise ValueError("calibration: give calibration token ids or statistics (from calibrate_smoothing), "
+                         "one of the two")
+    if statistics is not None and mappings is not None:
+        raise ValueError("mappings: the statistics hold the pairs they were measured with; pass mappings to "
+                         "calibrate_smoothing")
+    start = time.perf_counter()
+    if statistics is None:
+        statistics = calibrate_smoothing(model, calibration, mappings)
+    elif not isinstance(statistics, SmoothingStatistics):
+        raise ValueError(f"statistics: expected calibrate_smoothing's SmoothingStatistics, got "
+                         f"{type(statistics).__name__}")
+    sites = statistics.sites_of(model)
+    if group_size is not None:
+        for site in sites:
+            site.check_group_size(group_size)
+    was_training = model.training
+    model.eval()
+    try:
         # all from the unsmoothed weights: order-independent
         scales = [site.scales(alpha, group_size) for site in sites]
         inputs = tuple(site.fold(scale) for site, scale in zip(sites, scales))
-        output_after = _output_tensor(model(first_batch)).float()
+        output_before = statistics.output_before
+        output_after = _output_tensor(model(statistics.drift_tokens.to(output_before.device))).float()
     finally:
         model.train(was_training)
     drift = ((output_after - output_before).abs().max() / output_before.abs().max().clamp(min=1e-30)).item()
-    return SmoothingReport(alpha, group_size, tokens, discovery_seconds, calibration_seconds,
-                           time.perf_counter() - start, drift, inputs, not_smoothed)
+    return SmoothingReport(alpha, group_size, statistics.tokens, statistics.discovery_seconds,
+                           statistics.calibration_seconds, time.perf_counter() - start, drift, inputs,
+                           statistics.not_smoothed)
 
-__all__ = ["smooth_quant", "SmoothingReport", "SmoothedInput", "NotSmoothed"]
+__all__ = ["smooth_quant", "calibrate_smoothing", "SmoothingStatistics", "SmoothingReport", "SmoothedInput",
+           "NotSmoothed"]

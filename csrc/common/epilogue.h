@@ -34,6 +34,15 @@ struct GemmOutput {
 
 constexpr int64_t kScaleRowCols = 256;  // most columns scale_row takes at once (its fp32 row buffer)
 
+// out[j] = float(acc[j]) * (a_scale * ws[j]) (+ bias[j]) for j < cols: the rule's arithmetic, written once.
+template <typename Acc>
+static void scale_values(const Acc* acc, float a_scale, const float* ws, const float* bias, int64_t cols, float* out) {
+  if (bias)
+    for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]) + bias[j];
+  else
+    for (int64_t j = 0; j < cols; ++j) out[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
+}
+
 // The epilogue of one row of accumulators (cols of them, output columns n0.. of row r). Fixed operation order (no FMA
 // contraction, see CMakeLists) so every variant, and scale_accumulators, agree bit for bit.
 // acc: int32 products (int8 weights) or the fp32 group sums t of int4 weights: the same epilogue on either.
@@ -49,17 +58,13 @@ static void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const
   void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
   // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
   float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
-  const float a_scale = o.a_scales[r];
-  const float* ws = o.w_scales + n0;
-  for (int64_t j = 0; j < cols; ++j) vr[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
-  if (o.bias)
-    for (int64_t j = 0; j < cols; ++j) vr[j] += o.bias[n0 + j];
+  scale_values(acc, o.a_scales[r], o.w_scales + n0, o.bias ? o.bias + n0 : nullptr, cols, vr);
   if (vr == v) store_row_from_float(dst, o.out_kind, v, cols);
 }
 
 // The epilogue of one tile: rows [r0, r0 + rows) of c (nr accumulators a row), output columns [n0, n0 + cols). fp32
-// outputs (prefill's common case) in one loop nest with the branches hoisted: scale_row's operations, short rows
-// (16 columns) do not pay its per-row set-up.
+// outputs (prefill's common case) with the branches hoisted out of the row loop, so short rows (16 columns) do not
+// pay scale_row's per-row set-up.
 static void scale_tile(const int32_t* c, int rows, int nr, int64_t r0, int64_t n0, int64_t cols, const GemmOutput& o) {
   if (o.raw_int32 || o.out_kind != FloatKind::f32) {
     for (int i = 0; i < rows; ++i) scale_row(c + i * nr, r0 + i, n0, cols, o);
@@ -67,15 +72,8 @@ static void scale_tile(const int32_t* c, int rows, int nr, int64_t r0, int64_t n
   }
   const float* ws = o.w_scales + n0;
   const float* bias = o.bias ? o.bias + n0 : nullptr;
-  for (int i = 0; i < rows; ++i) {
-    float* dst = static_cast<float*>(o.out) + (r0 + i) * o.ldo + n0;
-    const int32_t* acc = c + i * nr;
-    const float a_scale = o.a_scales[r0 + i];
-    if (bias)
-      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]) + bias[j];
-    else
-      for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<float>(acc[j]) * (a_scale * ws[j]);
-  }
+  for (int i = 0; i < rows; ++i)
+    scale_values(c + i * nr, o.a_scales[r0 + i], ws, bias, cols, static_cast<float*>(o.out) + (r0 + i) * o.ldo + n0);
 }
 
 }  // namespace w8a8_cpu

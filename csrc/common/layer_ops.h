@@ -1,8 +1,8 @@
-// The small float operations of a decoder layer that sit between its GEMMs: RMSNorm (with the residual add before it)
-// and rotary position embedding. A model runs them on every layer of every token; as separate torch ops they were
-// ~10% of SmolLM2's prefill and a Python dispatch each per decode step. Plain C++ on rows of fp32/bf16/fp16
-// elements, computed in fp32 in a fixed operation order (no FMA contraction: see CMakeLists), one rounding to the
-// element type at the end.
+// The small float operations of a decoder layer that sit between its GEMMs: RMSNorm (with the residual add before it),
+// rotary position embedding, and the dispatch of the prompt attention's softmax. A model runs them on every layer of
+// every token; as separate torch ops they were ~10% of SmolLM2's prefill and a Python dispatch each per decode step.
+// Plain C++ on rows of fp32/bf16/fp16 elements, computed in fp32 in a fixed operation order (no FMA contraction: see
+// CMakeLists), one rounding to the element type at the end.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,8 @@ void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kin
 
 // Rotary embedding in place on the first `heads` heads of one row (heads x d elements of kind `kind`), the
 // "rotate half" form of Llama-family models: for i < d/2, with x1 = x[i], x2 = x[i + d/2],
-// x[i] = x1 * cos[i] + (-x2) * sin[i] and x[i + d/2] = x2 * cos[i + d/2] + x1 * sin[i + d/2] (cos, sin: fp32, d; d even, <= kMaxHeadDim).
+// x[i] = x1 * cos[i] + (-x2) * sin[i] and x[i + d/2] = x2 * cos[i + d/2] + x1 * sin[i + d/2] (cos, sin: fp32, d;
+// d even, <= kMaxHeadDim).
 void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* cos, const float* sin);
 
 // activation.h's causal_softmax_row on one row of attention scores, in the kernel's ISA where it has a copy (the same

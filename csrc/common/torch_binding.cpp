@@ -648,8 +648,8 @@ at::Tensor float_matrix(const float* data, int64_t rows, int64_t cols, int64_t l
 // block alone when B is odd) the same size, so at::parallel_for's equal split of the tasks balances the threads. Its
 // GEMMs run inside the parallel region, one thread each, so the bits do not depend on the thread count; a prompt
 // that is a single task (one KV head, at most 64 positions) runs on the calling thread, whose at::mm may use
-// torch's intra-op threads. Each block: its query rows (scaled) into
-// a contiguous copy, the scores by at::mm (torch's fp32 GEMM), the causal softmax on them in place, at::mm with V.
+// torch's intra-op threads. Each block: its query rows (scaled) into a contiguous copy, the scores by at::mm (torch's
+// fp32 GEMM), the causal softmax on them in place, at::mm with V.
 at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
     check_cpu(t, arg);

@@ -163,16 +163,17 @@ def _run(args, parser) -> int:
     rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None
     t0 = time.perf_counter()
 
-    smoothing = {}  # the float model's SmoothQuant statistics, measured once for every alpha of a search
+    statistics = None  # the float model's SmoothQuant statistics, measured once for every alpha of a search
 
     def quantized(alpha: Optional[float]) -> torch.nn.Module:
         """A quantized copy of the float model, smoothed first with alpha (None: not); `model` stays float."""
+        nonlocal statistics
         candidate = copy.deepcopy(model)
         if alpha is not None:
             try:
-                if not smoothing:
-                    smoothing["statistics"] = calibrate_smoothing(model, calibration)
-                smooth_quant(candidate, alpha=alpha, statistics=smoothing["statistics"])
+                if statistics is None:
+                    statistics = calibrate_smoothing(model, calibration)
+                smooth_quant(candidate, alpha=alpha, statistics=statistics)
             except ValueError as e:
                 raise CommandError(f"SmoothQuant cannot run on this model: {e}; quantize without it: "
                                    f"--smoothquant none") from None

@@ -14,7 +14,7 @@ attention with grouped KV heads, a SiLU-gated MLP, no sliding window). Anything 
 missing; use model.generate for those."""
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import List
 
 import torch
 

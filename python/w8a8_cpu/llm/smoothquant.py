@@ -298,10 +298,14 @@ class _Site:
             self.x_absmax[expert] = torch.maximum(self.x_absmax[expert], absmax)
             self.expert_seen[expert] = True
 
+    def consumer_channels(self) -> int:
+        """The input channels of each consumer (the producer's smoothed channels, times the heads' repeats)."""
+        return _scale_shape(self.pair, self.modules)[-1] * self.pair.groups
+
     def check_group_size(self, group_size: int) -> None:
         """A ValueError unless every consumer's aligned groups of group_size input channels read one aligned group
         of the producer's channels (a multiple of group_size channels; with repeated heads, head_dim one too)."""
-        channels = _scale_shape(self.pair, self.modules)[-1] * self.pair.groups  # the consumer's input channels
+        channels = self.consumer_channels()
         spans_heads = self.pair.groups > 1 and self.pair.head_dim % group_size
         if channels % group_size or spans_heads:
             raise ValueError(f"group_size: layer {self.layer}: {self.pair.consumers[0]} reads {channels} channels"
@@ -644,8 +648,8 @@ def _output_tensor(output) -> torch.Tensor:
 class SmoothingStatistics:
     """What smooth_quant measures on a float model before it folds anything: the pairs (and the inputs left out),
     each smoothed input's per-channel absmax over the calibration tokens, and the model's output on the first
-    calibration tokens (for logit_drift). calibrate_smoothing returns it; smooth_quant(copy, statistics=...) folds it into an
-    unsmoothed copy of the model it was measured on (copy.deepcopy before any smoothing): one calibration for
+    calibration tokens (for logit_drift). calibrate_smoothing returns it; smooth_quant(copy, statistics=...) folds it
+    into an unsmoothed copy of the model it was measured on (copy.deepcopy before any smoothing): one calibration for
     several alphas or group sizes (an alpha search, W8A8 and int4 copies of one model)."""
 
     def __init__(self, sites: Sequence[_Site], not_smoothed: Tuple[NotSmoothed, ...], layers: int, tokens: int,
@@ -672,8 +676,7 @@ class SmoothingStatistics:
                 raise ValueError(f"statistics: layer {index} of this model has no {', '.join(missing)}: measured "
                                  f"on another architecture")
             site = _Site(index, pair, modules)
-            shape = tuple(site.x_absmax.shape) if site.per_expert else \
-                (_scale_shape(pair, modules)[-1] * pair.groups,)
+            shape = tuple(site.x_absmax.shape) if site.per_expert else (site.consumer_channels(),)
             if x_absmax is not None and tuple(x_absmax.shape) != shape:
                 raise ValueError(f"statistics: layer {index}: {pair.consumers[0]} reads {shape} channels here, "
                                  f"{tuple(x_absmax.shape)} where they were measured")

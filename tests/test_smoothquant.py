@@ -262,3 +262,87 @@ def test_statistics_arguments_are_checked():
         transformers.AutoConfig.for_model("llama", **dict(TINY, num_hidden_layers=3), **ARCHITECTURES["llama"]))
     with pytest.raises(ValueError, match="statistics: measured on a model of 2 decoder layers, this one has 3"):
         smooth_quant(wider, statistics=statistics)
+
+
+def with_output_outliers(model):
+    with torch.no_grad():  # the final norm's output as trained LLMs have it: a few channels far larger
+        model.model.norm.weight[[2, 30]] *= 40
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_layer_smoothing_keeps_the_function_and_one_table(tied, tmp_path):
+    """output_alpha folds the final norm into the lm_head; tied to the embedding, the shared table's columns are
+    scaled and the embedding reads them back through a column scale: the same function, one table, float and int8."""
+    from w8a8_cpu.llm.checkpoint import save_compressed
+    from w8a8_cpu.nn import ColumnScaledEmbedding, W8A8Embedding
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **dict(TINY, tie_word_embeddings=tied))
+    model = with_output_outliers(transformers.AutoModelForCausalLM.from_config(config).eval())
+    ids, calibration = token_ids(seed=2), token_ids(seed=1, batch=4)
+    reference = logits(model, ids)
+    statistics = calibrate_smoothing(model, calibration)
+    assert statistics.output_site_missing == ""
+    smoothed = copy.deepcopy(model)
+    report = smooth_quant(smoothed, alpha=0.5, statistics=statistics, output_alpha=0.3)
+    output_entry = [entry for entry in report.inputs if entry.layer is None]
+    assert [(e.producer, e.consumers) for e in output_entry] == [("model.norm", ("lm_head",))]
+    assert output_entry[0].outlier_after < output_entry[0].outlier_before / 2, str(report)
+    assert "  out " in str(report) and "output layer alpha=0.3" in str(report)
+    assert relative_max_change(logits(smoothed, ids), reference) < FP32_TOLERANCE > report.logit_drift
+    embedding = smoothed.get_input_embeddings()
+    assert isinstance(embedding, ColumnScaledEmbedding) == tied
+    assert (smoothed.lm_head.weight is embedding.weight) == tied
+    twice = copy.deepcopy(smoothed)  # smoothed again: the column scales compose
+    smooth_quant(twice, calibration, alpha=0.5, output_alpha=0.5)
+    assert relative_max_change(logits(twice, ids), reference) < 2 * FP32_TOLERANCE
+
+    def int8_error(float_model):  # the int8 output layer and embedding alone, the layers float
+        quantized = quantize_model(copy.deepcopy(float_model), lambda name, module: name != "lm_head",
+                                   quantize_embedding=True)
+        return quantized, ((logits(quantized, ids) - reference).norm() / reference.norm()).item()
+    layers_only = copy.deepcopy(model)
+    smooth_quant(layers_only, alpha=0.5, statistics=statistics)
+    (_, without), (quantized, with_output) = int8_error(layers_only), int8_error(smoothed)
+    print(f"tied={tied}: int8 lm_head logits relative error {without:.4f} without output smoothing, "
+          f"{with_output:.4f} with")
+    assert with_output < 0.75 * without
+    table = quantized.get_input_embeddings()
+    assert isinstance(table, W8A8Embedding) and (table.weight_packed is quantized.lm_head.weight_packed) == tied
+    want = embedding(ids).float() if tied else model.get_input_embeddings()(ids)
+    got = table(ids)  # int8 rows * row scale * column scale: the float embedding within the table's rounding
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.02
+    if tied:
+        assert torch.equal(table.column_scale, embedding.column_scale)
+        assert torch.equal(table.dequantized()[ids], got)
+        for holder in (smoothed, quantized):  # float readers would tie lm_head to the scaled table: refused
+            with pytest.raises(ValueError, match="column scale .*cannot express"):
+                save_compressed(holder, tmp_path / "ckpt")
+
+
+def test_output_layer_smoothing_needs_a_norm_in_front():
+    torch.manual_seed(0)
+    model = with_output_outliers(tiny_model("llama"))
+    model.model.norm = torch.nn.Identity()
+    statistics = calibrate_smoothing(model, token_ids(seed=1))
+    assert statistics.output_site_missing == "lm_head reads no norm's output"
+    weights = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="output_alpha: the output layer cannot be smoothed: lm_head reads no norm"):
+        smooth_quant(model, statistics=statistics, output_alpha=0.3)
+    with pytest.raises(ValueError, match=r"output_alpha: must be None or in \[0, 1\], got 1.5"):
+        smooth_quant(model, statistics=statistics, output_alpha=1.5)
+    assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
+    smooth_quant(model, statistics=statistics)  # the layers' pairs still fold
+
+
+def test_an_embedding_that_computes_more_than_a_lookup_is_refused():
+    """Gemma 3 scales its embedding's rows inside the embedding module: an int8 table, or a column scale wrapped
+    around the plain lookup, would drop that scale, so both are refused."""
+    config = transformers.AutoConfig.for_model("gemma3_text", **dict(TINY, tie_word_embeddings=True, head_dim=16))
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    assert type(model.get_input_embeddings()).__name__ == "Gemma3TextScaledWordEmbedding"
+    with pytest.raises(ValueError, match="computes more than a row lookup"):
+        quantize_model(copy.deepcopy(model), quantize_embedding=True)
+    statistics = calibrate_smoothing(model, token_ids(seed=1))
+    with pytest.raises(ValueError, match="output_alpha: the output layer is tied to Gemma3TextScaledWordEmbedding"):
+        smooth_quant(copy.deepcopy(model), statistics=statistics, output_alpha=0.3)

@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from .._files import read_json_object
 from .._functions import check_static_activation_params
-from ..nn import (W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice,
-                  W8A8MoE, _expert_weights,
+from ..nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
+                  W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
 
 PathLike = Union[str, Path]
@@ -398,6 +398,12 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise ValueError(f"model: expected a transformers model with a config, got {type(model).__name__}")
+    for name, module in model.named_modules():
+        if isinstance(module, ColumnScaledEmbedding) or getattr(module, "column_scale", None) is not None:
+            # the float readers would take the scaled table for the embedding, or tie the lm_head to it
+            raise ValueError(f"model: {name} reads its table through a column scale (smooth_quant's output_alpha), "
+                             f"which compressed-tensors checkpoints cannot express; smooth without output_alpha "
+                             f"to save")
     for target, source in _tied_weights(model).items():
         try:
             tied = model.get_parameter(target) is model.get_parameter(source)

@@ -52,11 +52,11 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..nn import _expert_weights
+from ..nn import ColumnScaledEmbedding, _expert_weights, _is_table_lookup
 
 Mapping = Tuple[str, Sequence[str]]
 
@@ -78,7 +78,7 @@ class SmoothedInput:
     """One smoothed activation: outlier ratio = max / median of its per-channel absmax on the calibration
     tokens (for per-expert inputs: the largest ratio over the experts that received tokens)."""
 
-    layer: int
+    layer: Optional[int]  # None: the output layer's input (the final norm's output), outside the decoder layers
     producer: str
     consumers: Tuple[str, ...]
     outlier_before: float
@@ -116,14 +116,16 @@ class SmoothingReport:
     logit_drift: float  # max |output after - before| / max |output before|, first 64 calibration tokens
     inputs: Tuple[SmoothedInput, ...]
     not_smoothed: Tuple[NotSmoothed, ...]  # derived pairs only; explicit mappings are not analysed
+    output_alpha: Optional[float] = None  # the output layer's input smoothed with this alpha (None: not smoothed)
 
     def __str__(self) -> str:
         grouped = f" in groups of {self.group_size} channels" if self.group_size is not None else ""
+        grouped += f", output layer alpha={self.output_alpha}" if self.output_alpha is not None else ""
         lines = [f"SmoothQuant alpha={self.alpha}{grouped}: {self.tokens} calibration tokens, "
                  f"{self.discovery_seconds:.1f} s pair discovery, {self.calibration_seconds:.1f} s calibration, "
                  f"{self.total_seconds:.1f} s total, logit drift {self.logit_drift:.1e}",
                  "layer  outliers (max/median) before -> after  producer -> consumers"]
-        lines += [f"{entry.layer:>5}  {entry.outlier_before:17.1f}x -> {entry.outlier_after:6.1f}x    "
+        lines += [f"{'out' if entry.layer is None else entry.layer:>5}  {entry.outlier_before:17.1f}x -> {entry.outlier_after:6.1f}x    "
                   f"{entry.producer} -> {', '.join(entry.consumers)}" for entry in self.inputs]
         lines += ["not smoothed:"] * bool(self.not_smoothed)
         lines += [f"  layers {_layer_ranges(entry.layers)}: {', '.join(entry.consumers)}: {entry.reason}"
@@ -265,9 +267,10 @@ def _fold(pair: _Pair, modules: dict, scale: torch.Tensor) -> None:
 
 
 class _Site:
-    """One pair in one decoder layer: its calibration statistic, then its folding."""
+    """One pair in one decoder layer (layer None: the final norm and the output layer): its calibration statistic,
+    then its folding."""
 
-    def __init__(self, layer: int, pair: _Pair, modules: dict):
+    def __init__(self, layer: Optional[int], pair: _Pair, modules: dict):
         self.layer, self.pair, self.modules = layer, pair, modules
         self.producer = modules[pair.producer]
         self.consumers = [modules[name] for name in pair.consumers]
@@ -518,25 +521,8 @@ def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
     update = reference - layer_input if reference.shape == layer_input.shape else reference
     bound = _CHECK_TOLERANCE * update.abs().max().item()
 
-    def change_after_fold(pair: _Pair) -> float:
-        saved = [(param, param.detach().clone()) for name in {pair.producer, *pair.consumers}
-                 for param in modules[name].parameters(recurse=False)]
-        scale = torch.empty(_scale_shape(pair, modules)).uniform_(-_CHECK_LOG_SCALE, _CHECK_LOG_SCALE,
-                                                                  generator=generator).exp()
-        try:
-            _fold(pair, modules, scale)
-            change = (record.run() - reference).abs().max().item()
-        finally:
-            for param, value in saved:
-                param.copy_(value)
-        return math.inf if math.isnan(change) else change
-
     def best_fold(candidates: Iterable[_Pair]) -> Optional[_Pair]:
-        """The candidate that changes the output least, if that is rounding only: of two near-homogeneous paths
-        (up -> down, and gate -> down with small gates) the exact one wins."""
-        change, pair = min(((change_after_fold(pair), pair) for pair in candidates), key=lambda item: item[0],
-                           default=(math.inf, None))
-        return pair if change <= bound else None
+        return _best_fold(candidates, modules, record.run, reference, bound, generator)
 
     pairs, why_not = [], {}
     for norm, (_, output) in record.made.items():
@@ -571,6 +557,77 @@ def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
                 why_not[f"{name} (down_proj)"] = "act(gate) * up does not fold into the up rows"
     pairs.sort(key=lambda pair: record.read[pair.consumers[0]][0])  # call order, as the layer runs
     return pairs, why_not
+
+
+def _best_fold(candidates: Iterable[_Pair], modules: dict, run: Callable[[], torch.Tensor], reference: torch.Tensor,
+               bound: float, generator: torch.Generator) -> Optional[_Pair]:
+    """The candidate fold that changes run()'s output least under random scales, if that is rounding only (at most
+    bound): of two near-homogeneous paths (up -> down, and gate -> down with small gates) the exact one wins. The
+    parameters are restored after each try."""
+    def change_after_fold(pair: _Pair) -> float:
+        saved = [(param, param.detach().clone()) for name in {pair.producer, *pair.consumers}
+                 for param in modules[name].parameters(recurse=False)]
+        scale = torch.empty(_scale_shape(pair, modules)).uniform_(-_CHECK_LOG_SCALE, _CHECK_LOG_SCALE,
+                                                                  generator=generator).exp()
+        try:
+            _fold(pair, modules, scale)
+            change = (run() - reference).abs().max().item()
+        finally:
+            for param, value in saved:
+                param.copy_(value)
+        return math.inf if math.isnan(change) else change
+
+    change, pair = min(((change_after_fold(pair), pair) for pair in candidates), key=lambda item: item[0],
+                       default=(math.inf, None))
+    return pair if change <= bound else None
+
+
+def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
+                 sample: torch.Tensor) -> Tuple[Optional[_Pair], str]:
+    """The fold of the final norm into the output layer (names relative to the model), found as the layer pairs are:
+    the norm outside the decoder layers whose output the output layer reads, checked by running the two alone in
+    fp32 with random scales folded in; or None and why not."""
+    get = getattr(model, "get_output_embeddings", None)
+    output = get() if callable(get) else None
+    if not isinstance(output, torch.nn.Linear):
+        return None, "the model's output layer (get_output_embeddings) is not an nn.Linear"
+    modules = dict(model.named_modules())
+    output_name = next(name for name, module in modules.items() if module is output)
+    in_layers = {id(module) for module in layers.modules()}
+    norms = {name: module for name, module in modules.items()
+             if name and _is_norm(module) and id(module) not in in_layers}
+    seen = {}
+
+    def record_norm(name, module, args, result):
+        if isinstance(result, torch.Tensor) and args:
+            seen.setdefault(name, (args[0], result))
+
+    handles = [module.register_forward_hook(partial(record_norm, name)) for name, module in norms.items()]
+    handles.append(output.register_forward_pre_hook(lambda module, args: seen.setdefault(output_name, args[0])))
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    try:
+        model(sample, **no_cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    read = seen.get(output_name)
+    producer = next((name for name in norms if name in seen and read is not None and
+                     _same_tensor(seen[name][1], read)), None)
+    if producer is None:
+        return None, f"{output_name} reads no norm's output"
+    if output.in_features != read.shape[-1]:
+        return None, f"{output_name} reads {read.shape[-1]} channels, has {output.in_features} inputs"
+    pair_modules = {producer: modules[producer], output_name: output}
+    with _checked_in_fp32(torch.nn.ModuleList(pair_modules.values())):
+        norm_input = _to_fp32(seen[producer][0])
+
+        def run() -> torch.Tensor:
+            return output(modules[producer](norm_input))
+        reference = run()
+        pair = _best_fold((_Pair(producer, (output_name,), head_dim=read.shape[-1], norm_offset=offset) for offset in (0.0, 1.0)),
+                          pair_modules, run, reference, _CHECK_TOLERANCE * reference.abs().max().item(),
+                          torch.Generator().manual_seed(0))
+    return (pair, "") if pair else (None, f"no fold into {producer} keeps {output_name}'s output")
 
 
 def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_groups: int,
@@ -650,13 +707,15 @@ class SmoothingStatistics:
     each smoothed input's per-channel absmax over the calibration tokens, and the model's output on the first
     calibration tokens (for logit_drift). calibrate_smoothing returns it; smooth_quant(copy, statistics=...) folds it
     into an unsmoothed copy of the model it was measured on (copy.deepcopy before any smoothing): one calibration for
-    several alphas or group sizes (an alpha search, W8A8 and int4 copies of one model)."""
+    several alphas or group sizes (an alpha search, W8A8 and int4 copies of one model). The output layer's input is
+    measured too when a norm's output reaches it through a fold (output_site_missing: why not, else "")."""
 
     def __init__(self, sites: Sequence[_Site], not_smoothed: Tuple[NotSmoothed, ...], layers: int, tokens: int,
                  discovery_seconds: float, calibration_seconds: float, drift_tokens: torch.Tensor,
-                 output_before: torch.Tensor):
+                 output_before: torch.Tensor, output_site_missing: str):
         self._sites = [(site.layer, site.pair, site.x_absmax,
                         site.expert_seen if site.per_expert else None) for site in sites]
+        self.output_site_missing = output_site_missing
         self.not_smoothed, self.layers, self.tokens = not_smoothed, layers, tokens
         self.discovery_seconds, self.calibration_seconds = discovery_seconds, calibration_seconds
         self.drift_tokens, self.output_before = drift_tokens, output_before
@@ -670,15 +729,16 @@ class SmoothingStatistics:
                              f"{len(layers)}")
         sites = []
         for index, pair, x_absmax, expert_seen in self._sites:
-            modules = dict(layers[index].named_modules())
+            modules = dict((model if index is None else layers[index]).named_modules())
+            where = "the model" if index is None else f"layer {index} of this model"
             missing = [name for name in (pair.producer, *pair.consumers) if name not in modules]
-            if missing:
-                raise ValueError(f"statistics: layer {index} of this model has no {', '.join(missing)}: measured "
-                                 f"on another architecture")
+            if missing or (index is None and not isinstance(modules[pair.consumers[0]], torch.nn.Linear)):
+                raise ValueError(f"statistics: {where} has no {', '.join(missing) or f'Linear {pair.consumers[0]}'}"
+                                 f": measured on another architecture (or a quantized model)")
             site = _Site(index, pair, modules)
             shape = tuple(site.x_absmax.shape) if site.per_expert else (site.consumer_channels(),)
             if x_absmax is not None and tuple(x_absmax.shape) != shape:
-                raise ValueError(f"statistics: layer {index}: {pair.consumers[0]} reads {shape} channels here, "
+                raise ValueError(f"statistics: {where}: {pair.consumers[0]} reads {shape} channels here, "
                                  f"{tuple(x_absmax.shape)} where they were measured")
             site.x_absmax = x_absmax
             if expert_seen is not None:
@@ -707,9 +767,12 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
             layer_pairs, not_smoothed = _derived_pairs(model, layers, first_batch[:1, :_DISCOVERY_TOKENS])
         else:
             layer_pairs, not_smoothed = _explicit_pairs(model, layers, mappings), ()
+        output_pair, output_site_missing = _output_pair(model, layers, first_batch[:1, :_DISCOVERY_TOKENS])
         discovery_seconds = time.perf_counter() - start
         sites = [_Site(index, pair, dict(layers[index].named_modules()))
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]
+        if output_pair is not None:
+            sites.append(_Site(None, output_pair, dict(model.named_modules())))
         handles = [site.attach() for site in sites]
         tokens, output_before = 0, None
         try:
@@ -725,14 +788,14 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
         model.train(was_training)
     return SmoothingStatistics(sites, not_smoothed, len(layers), tokens, discovery_seconds,
                                time.perf_counter() - start - discovery_seconds, first_batch[:1, :_DRIFT_TOKENS],
-                               output_before)
+                               output_before, output_site_missing)
 
 
 @torch.no_grad()
 def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor], None] = None,
                  alpha: float = 0.5, mappings: Optional[Sequence[Mapping]] = None,
-                 group_size: Optional[int] = None, statistics: Optional[SmoothingStatistics] = None
-                 ) -> SmoothingReport:
+                 group_size: Optional[int] = None, statistics: Optional[SmoothingStatistics] = None,
+                 output_alpha: Optional[float] = None) -> SmoothingReport:
     """Smooth `model`'s activation outliers into its weights, in place; the float model keeps its function.
 
     calibration: token ids [B, T] or an iterable of such batches, run through the float model to collect
@@ -744,6 +807,12 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
     whole groups, else ValueError before anything changes); None: per channel. Call before quantize_model.
     statistics: instead of calibration (and mappings), what calibrate_smoothing measured on this model before
     any smoothing (or on the model this one is an unsmoothed copy of): no forward passes but logit_drift's.
+    output_alpha: also smooth the output layer's input (the final norm's output, which a W8A8 lm_head quantizes per
+    token), per channel with this alpha whatever group_size is (an int8 lm_head has one scale per row). When the
+    output layer is tied to the token embedding, the shared table's columns are scaled and the embedding becomes a
+    ColumnScaledEmbedding that reads them back unscaled: still one table, which quantize_model(...,
+    quantize_embedding=True) holds in int8 for both (W8A8Embedding with a column scale). None: left as it is.
+    A model whose output layer no fold reaches (no norm in front of it) is a ValueError with output_alpha.
 
     Statistics: an input read by an MoE block (router, shared expert, all experts) is measured over every
     token reaching the block, because the norm in front of it has one scale per channel for all of them
@@ -757,6 +826,8 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
     logit_drift. Returns a SmoothingReport."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: must be in [0, 1], got {alpha}")
+    if output_alpha is not None and not 0.0 <= output_alpha <= 1.0:
+        raise ValueError(f"output_alpha: must be None or in [0, 1], got {output_alpha}")
     if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or
                                    group_size < 1):
         raise ValueError(f"group_size: expected None or an int >= 1, got {group_size!r}")
@@ -773,15 +844,29 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
         raise ValueError(f"statistics: expected calibrate_smoothing's SmoothingStatistics, got "
                          f"{type(statistics).__name__}")
     sites = statistics.sites_of(model)
+    output_site = next((site for site in sites if site.layer is None), None)
+    sites = [site for site in sites if site.layer is not None]
     if group_size is not None:
         for site in sites:
             site.check_group_size(group_size)
+    embedding = None  # the input embedding tied to the output layer, which gets the inverse column scale
+    if output_alpha is not None:
+        if output_site is None:
+            raise ValueError(f"output_alpha: the output layer cannot be smoothed: {statistics.output_site_missing}")
+        embedding = _embedding_tied_to(model, output_site.consumers[0])
     was_training = model.training
     model.eval()
     try:
         # all from the unsmoothed weights: order-independent
         scales = [site.scales(alpha, group_size) for site in sites]
         inputs = tuple(site.fold(scale) for site, scale in zip(sites, scales))
+        if output_alpha is not None:
+            scale = output_site.scales(output_alpha, None)
+            inputs += (output_site.fold(scale),)
+            if isinstance(embedding, ColumnScaledEmbedding):  # smoothed before: the scales compose
+                embedding.column_scale.copy_(embedding.column_scale / scale)
+            elif embedding is not None:
+                model.set_input_embeddings(ColumnScaledEmbedding(embedding, 1 / scale))
         output_before = statistics.output_before
         output_after = _output_tensor(model(statistics.drift_tokens.to(output_before.device))).float()
     finally:
@@ -789,7 +874,22 @@ def smooth_quant(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterab
     drift = ((output_after - output_before).abs().max() / output_before.abs().max().clamp(min=1e-30)).item()
     return SmoothingReport(alpha, group_size, statistics.tokens, statistics.discovery_seconds,
                            statistics.calibration_seconds, time.perf_counter() - start, drift, inputs,
-                           statistics.not_smoothed)
+                           statistics.not_smoothed, output_alpha)
+
+
+def _embedding_tied_to(model: torch.nn.Module, output: torch.nn.Linear) -> Optional[torch.nn.Embedding]:
+    """The input embedding that shares the output layer's weight (None: not tied), checked to take a column scale
+    (ValueError before anything is folded)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if getattr(embedding, "weight", None) is not output.weight:
+        return None
+    if not isinstance(embedding, torch.nn.Embedding) or not _is_table_lookup(embedding) or \
+            embedding.max_norm is not None or not callable(getattr(model, "set_input_embeddings", None)):
+        raise ValueError(f"output_alpha: the output layer is tied to {type(embedding).__name__}, which cannot take "
+                         f"the inverse column scale (a plain nn.Embedding lookup without max_norm, "
+                         f"set_input_embeddings)")
+    return embedding
 
 __all__ = ["smooth_quant", "calibrate_smoothing", "SmoothingStatistics", "SmoothingReport", "SmoothedInput",
            "NotSmoothed"]

@@ -125,7 +125,8 @@ class SmoothingReport:
                  f"{self.discovery_seconds:.1f} s pair discovery, {self.calibration_seconds:.1f} s calibration, "
                  f"{self.total_seconds:.1f} s total, logit drift {self.logit_drift:.1e}",
                  "layer  outliers (max/median) before -> after  producer -> consumers"]
-        lines += [f"{'out' if entry.layer is None else entry.layer:>5}  {entry.outlier_before:17.1f}x -> {entry.outlier_after:6.1f}x    "
+        lines += [f"{'out' if entry.layer is None else entry.layer:>5}  {entry.outlier_before:17.1f}x -> "
+                  f"{entry.outlier_after:6.1f}x    "
                   f"{entry.producer} -> {', '.join(entry.consumers)}" for entry in self.inputs]
         lines += ["not smoothed:"] * bool(self.not_smoothed)
         lines += [f"  layers {_layer_ranges(entry.layers)}: {', '.join(entry.consumers)}: {entry.reason}"
@@ -582,6 +583,17 @@ def _best_fold(candidates: Iterable[_Pair], modules: dict, run: Callable[[], tor
     return pair if change <= bound else None
 
 
+def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, handles: list) -> None:
+    """One forward of the model on sample with the recording hooks `handles`, removed after. Without a KV cache:
+    running a layer again must not append to the cache its recorded call holds."""
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    try:
+        model(sample, **no_cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
                  sample: torch.Tensor) -> Tuple[Optional[_Pair], str]:
     """The fold of the final norm into the output layer (names relative to the model), found as the layer pairs are:
@@ -592,7 +604,9 @@ def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
     if not isinstance(output, torch.nn.Linear):
         return None, "the model's output layer (get_output_embeddings) is not an nn.Linear"
     modules = dict(model.named_modules())
-    output_name = next(name for name, module in modules.items() if module is output)
+    output_name = next((name for name, module in modules.items() if module is output), None)
+    if not output_name:
+        return None, "the model's output layer is not one of its submodules"
     in_layers = {id(module) for module in layers.modules()}
     norms = {name: module for name, module in modules.items()
              if name and _is_norm(module) and id(module) not in in_layers}
@@ -604,12 +618,7 @@ def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
 
     handles = [module.register_forward_hook(partial(record_norm, name)) for name, module in norms.items()]
     handles.append(output.register_forward_pre_hook(lambda module, args: seen.setdefault(output_name, args[0])))
-    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-    try:
-        model(sample, **no_cache)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_recorded(model, sample, handles)
     read = seen.get(output_name)
     producer = next((name for name in norms if name in seen and read is not None and
                      _same_tensor(seen[name][1], read)), None)
@@ -624,9 +633,10 @@ def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
         def run() -> torch.Tensor:
             return output(modules[producer](norm_input))
         reference = run()
-        pair = _best_fold((_Pair(producer, (output_name,), head_dim=read.shape[-1], norm_offset=offset) for offset in (0.0, 1.0)),
-                          pair_modules, run, reference, _CHECK_TOLERANCE * reference.abs().max().item(),
-                          torch.Generator().manual_seed(0))
+        candidates = (_Pair(producer, (output_name,), head_dim=read.shape[-1], norm_offset=offset)
+                      for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
+        pair = _best_fold(candidates, pair_modules, run, reference,
+                          _CHECK_TOLERANCE * reference.abs().max().item(), torch.Generator().manual_seed(0))
     return (pair, "") if pair else (None, f"no fold into {producer} keeps {output_name}'s output")
 
 
@@ -655,14 +665,7 @@ def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList,
     records = {}
     for index, (layer, signature) in enumerate(zip(layers, signatures)):
         records.setdefault(signature, _LayerRecord(index, layer))
-    handles = [handle for record in records.values() for handle in record.attach()]
-    # Without a KV cache: running a layer again must not append to the cache its recorded call holds.
-    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-    try:
-        model(sample, **no_cache)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_recorded(model, sample, [handle for record in records.values() for handle in record.attach()])
     kv_groups, head_dim = _attention_heads(model)
     verdicts = {}
     for signature, record in records.items():

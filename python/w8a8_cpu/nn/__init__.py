@@ -140,14 +140,23 @@ class W8A8Linear(_Fp32Scales):
         super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None or not self.symmetric_activations:
+        # The buffers from nn.Module's dict: attribute reads of buffers go through __getattr__ (~1-2 us each), and a
+        # small decode GEMM takes tens of us (SmolLM2: ~120 calls per token).
+        buffers = self._buffers
+        weight_packed, w_scale, bias = buffers["weight_packed"], buffers["w_scale"], buffers["bias"]
+        if buffers["input_scale"] is not None or not self.symmetric_activations:
             return int8_scaled_mm_with_activations(
-                x, self.weight_packed, self.w_scale, self.bias, input_scale=self.input_scale,
-                input_zero_point=self.input_zero_point, symmetric=self.symmetric_activations, w_sum=self.w_sum)
-        if _below_autograd(x, self.w_scale, self.bias):
+                x, weight_packed, w_scale, bias, input_scale=buffers["input_scale"],
+                input_zero_point=buffers["input_zero_point"], symmetric=self.symmetric_activations,
+                w_sum=buffers["w_sum"])
+        # under inference_mode autograd's dispatch keys are off: no Python kernel on the way (dynamo cannot trace the
+        # check, hence compiling first)
+        if not _is_compiling() and torch.is_inference_mode_enabled():
+            return _ops.int8_scaled_mm_with_quant(x, weight_packed, w_scale, bias, None)
+        if _below_autograd(x, w_scale, bias):
             with torch._C._AutoDispatchBelowAutograd():  # the op validates its inputs
-                return _ops.int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias, None)
-        return int8_scaled_mm_with_quant(x, self.weight_packed, self.w_scale, self.bias)
+                return _ops.int8_scaled_mm_with_quant(x, weight_packed, w_scale, bias, None)
+        return int8_scaled_mm_with_quant(x, weight_packed, w_scale, bias)
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 [N, K] weight (unpacked from the packed buffer; used to save checkpoints)."""
@@ -344,8 +353,10 @@ class W8A8GatedMLP(_Fp32Scales):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the op has no gradient (no autograd kernel, so no Python detour to skip)
-        act = _ops.int8_gated_mm_with_quant(x, self.gate_up_packed, self.gate_up_scale, self.gate_up_bias, None)
-        return self.down_proj(act)
+        buffers = self._buffers  # not through __getattr__ (see W8A8Linear.forward)
+        act = _ops.int8_gated_mm_with_quant(x, buffers["gate_up_packed"], buffers["gate_up_scale"],
+                                            buffers["gate_up_bias"], None)
+        return self._modules["down_proj"](act)
 
     def projections(self) -> Dict[str, W8A8Linear]:
         """{"gate_proj" | "up_proj": the unfused layer (W8A8Linear or W4A8Linear)}, for checkpoints that keep the

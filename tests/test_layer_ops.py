@@ -1,5 +1,5 @@
-"""The layer ops of the lean decoder (csrc/common/layer_ops.h): RMSNorm with the residual add, rotary embedding and
-causal prompt attention, against fp64 references of their formulas (and against the torch expressions they replace,
+"""The layer ops of the lean decoder (csrc/common/layer_ops.h): RMSNorm with the residual add, rotary embedding,
+causal prompt attention and the decode step's attention, against fp64 references of their formulas (and against the torch expressions they replace,
 bit for bit where the operation order is the same), in every float dtype, at 1 and 2 threads; bad input is a
 ValueError naming the argument, from the op and from its fake kernel alike."""
 import re
@@ -93,6 +93,56 @@ def test_prompt_attention_equals_sdpa(t, threads):
     torch.testing.assert_close(got.double(), attention_reference(q, k, v, 0.3), rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("position", [0, 1, 40, 199])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_writes_the_caches_and_attends(position, threads):
+    """One decode step: the position's key and value heads land in the caches (exactly), and the output is the last
+    row of causal grouped-query attention over positions 0..position in fp64; the same bits at 1 and 2 threads and for
+    a short and a long cache (one task, or one per head)."""
+    g = torch.Generator().manual_seed(position)
+    heads, kv_heads, d, length = 6, 2, 16, 200
+    k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
+    qkv = torch.randn(heads + 2 * kv_heads, d, generator=g)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    got = with_threads(threads, lambda: ops.decode_attention_(qkv, k_cache, v_cache, position, heads, 0.3))
+    assert got.shape == (heads, d) and got.is_contiguous()
+    assert torch.equal(k_cache[:, position], qkv[heads:heads + kv_heads])
+    assert torch.equal(v_cache[:, position], qkv[heads + kv_heads:])
+    others = torch.arange(length) != position
+    assert torch.equal(k_cache[:, others], before_k[:, others]) and torch.equal(v_cache[:, others], before_v[:, others])
+    keys = position + 1
+    q_all = torch.zeros(keys, heads, d)
+    q_all[-1] = qkv[:heads]
+    want = attention_reference(q_all, k_cache[:, :keys], v_cache[:, :keys], 0.3)[-1]
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    again = with_threads(3 - threads, lambda: ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position,
+                                                                   heads, 0.3))
+    assert torch.equal(again, got)
+
+
+def test_decode_attention_non_finite_and_overlap():
+    """A NaN or Inf in a query head makes that head's output NaN, in a cached key every head of its KV group; caches
+    that overlap each other or qkv are a ValueError."""
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(2, 30, 8, generator=g), torch.randn(2, 30, 8, generator=g)
+    qkv = torch.randn(8, 8, generator=g)
+    for bad in (float("nan"), float("inf")):
+        q_bad = qkv.clone()
+        q_bad[1, 2] = bad
+        out = ops.decode_attention_(q_bad, k_cache.clone(), v_cache.clone(), 10, 4, 0.5)
+        assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+        k_bad = k_cache.clone()
+        k_bad[1, 5, 0] = bad
+        out = ops.decode_attention_(qkv, k_bad, v_cache.clone(), 10, 4, 0.5)
+        assert out[2:].isnan().all() and not out[:2].isnan().any()
+    both = torch.randn(2, 2, 30, 8)
+    with pytest.raises(ValueError, match="must not overlap each other or qkv"):
+        ops.decode_attention_(qkv, both[0], both[0], 3, 4, 0.5)
+    flat = torch.randn(2 * 30 * 8 + 32)
+    with pytest.raises(ValueError, match="must not overlap each other or qkv"):
+        ops.decode_attention_(flat[:64].view(8, 8), flat[32:].view(2, 30, 8), v_cache, 3, 4, 0.5)
+
+
 def attention_reference(q, k, v, scale):
     """softmax(scale q k^T + causal mask) v in fp64, query head h reading KV head h // (heads / kv_heads)."""
     t, heads, _ = q.shape
@@ -133,6 +183,19 @@ BAD = [
     (ops.causal_attention, (Z(4, 0, 8), Z(1, 4, 8), Z(1, 4, 8), 1.0), "q: expected at least one head"),
     (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), float("inf")), "scale: expected a finite float32 value"),
     (ops.causal_attention, (Z(4, 2, 8), Z(1, 4, 8), Z(1, 4, 8), -1e300), "scale: expected a finite float32 value"),
+    (ops.decode_attention_, (Z(8, 8).half(), Z(2, 5, 8), Z(2, 5, 8), 0, 4, 1.0), "qkv: dtype must be float32"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 8, 5).transpose(1, 2), Z(2, 5, 8), 0, 4, 1.0),
+     "k_cache: expected a non-empty contiguous tensor"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 0), Z(2, 5, 0), 0, 4, 1.0), "k_cache: expected a non-empty"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8, 1), Z(2, 5, 8, 1), 0, 4, 1.0), "k_cache: expected [kv_heads, length"),
+    (ops.decode_attention_, (Z(8, 1025), Z(2, 1, 1025), Z(2, 1, 1025), 0, 4, 1.0), "head_dim <= 1024"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 6, 8), 0, 4, 1.0), "v_cache: expected the shape of k_cache"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 5, 8), 0, 3, 1.0), "heads: expected a positive multiple"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 5, 8), 0, 0, 1.0), "heads: expected a positive multiple"),
+    (ops.decode_attention_, (Z(7, 8), Z(2, 5, 8), Z(2, 5, 8), 0, 4, 1.0), "qkv: expected [8, 8]"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 5, 8), 5, 4, 1.0), "position: expected 0 <= position < 5"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 5, 8), -1, 4, 1.0), "position: expected 0 <= position"),
+    (ops.decode_attention_, (Z(8, 8), Z(2, 5, 8), Z(2, 5, 8), 0, 4, float("nan")), "scale: expected a finite"),
 ]
 
 
@@ -186,5 +249,6 @@ def test_opcheck():
     cos, sin = torch.rand(10, 8, generator=g), torch.rand(10, 8, generator=g)
     q, k = torch.randn(7, 4, 8, generator=g), torch.randn(2, 7, 8, generator=g)
     for op, args in ((ops.rms_norm, (x, torch.rand(32), 1e-5)), (ops.add_rms_norm_, (x, delta, torch.rand(32), 1e-5)),
-                     (ops.rotary_embedding_, (x, cos, sin, 3)), (ops.causal_attention, (q, k, k.clone(), 0.5))):
+                     (ops.rotary_embedding_, (x, cos, sin, 3)), (ops.causal_attention, (q, k, k.clone(), 0.5)),
+                     (ops.decode_attention_, (torch.randn(8, 8, generator=g), k, k.clone(), 3, 4, 0.5))):
         torch.library.opcheck(op.default, args)

@@ -54,6 +54,19 @@ static float lane_sum(const float* v, int64_t n, float factor = 1.f) {
   return sum;
 }
 
+// Sum of a[i] * b[i] in lane_sum's fixed order (16 running lane sums, then the lanes in order).
+static float lane_dot(const float* a, const float* b, int64_t n) {
+  constexpr int kLanes = 16;
+  float lane[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
+  for (int j = 0; i < n; ++i, ++j) lane[j] += a[i] * b[i];
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += lane[j];
+  return sum;
+}
+
 // The largest of v[0, n), n >= 1, by 16 lane maxima like lane_sum (any order gives the same maximum).
 static float lane_max(const float* v, int64_t n) {
   constexpr int kLanes = 16;

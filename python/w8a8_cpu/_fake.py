@@ -366,6 +366,33 @@ def register() -> None:
             raise ValueError(f"scale: expected a finite float32 value, got {scale}")
         return q.new_empty((positions, heads, d))
 
+    @register_fake("w8a8_cpu::decode_attention_")
+    def _decode_attention_(qkv, k_cache, v_cache, position, heads, scale):
+        _check_same_device(qkv, k_cache=k_cache, v_cache=v_cache)
+        for t, arg in ((qkv, "qkv"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+            if t.dtype != torch.float32:
+                raise ValueError(f"{arg}: dtype must be float32, got {t.dtype}")
+            if not t.is_contiguous() or t.numel() == 0:
+                raise ValueError(f"{arg}: expected a non-empty contiguous tensor, got shape {list(t.shape)} and "
+                                 f"strides {list(t.stride())}")
+        if k_cache.dim() != 3 or k_cache.shape[2] > _MAX_HEAD_DIM:
+            raise ValueError(f"k_cache: expected [kv_heads, length, head_dim] with head_dim <= {_MAX_HEAD_DIM}, got "
+                             f"shape {list(k_cache.shape)}")
+        if v_cache.shape != k_cache.shape:
+            raise ValueError(f"v_cache: expected the shape of k_cache, {list(k_cache.shape)}, got "
+                             f"{list(v_cache.shape)}")
+        kv_heads, length, d = k_cache.shape
+        if not 1 <= heads <= 2 ** 31 - 1 or heads % kv_heads:
+            raise ValueError(f"heads: expected a positive multiple of the caches' {kv_heads} KV heads, got {heads}")
+        if qkv.dim() != 2 or tuple(qkv.shape) != (heads + 2 * kv_heads, d):
+            raise ValueError(f"qkv: expected [{heads + 2 * kv_heads}, {d}] ({heads} query, {kv_heads} key and "
+                             f"{kv_heads} value heads of the caches' head_dim), got {list(qkv.shape)}")
+        if not 0 <= position < length:
+            raise ValueError(f"position: expected 0 <= position < {length} (the caches' length), got {position}")
+        if not abs(scale) <= _FLOAT32_MAX:
+            raise ValueError(f"scale: expected a finite float32 value, got {scale}")
+        return qkv.new_empty((heads, d))
+
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):
         if w.dtype != torch.int8:

@@ -95,8 +95,8 @@ class Decoder:
         if length <= self._cache_len:
             return
         first = self.layers[0]
-        self.k_cache = [torch.zeros(1, l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
-        self.v_cache = [torch.zeros(1, l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+        self.k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+        self.v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
         probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
         cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
@@ -114,20 +114,24 @@ class Decoder:
             d, nq, nkv = layer.head_dim, layer.heads, layer.kv_heads
             qkv = layer.qkv(x)  # [1, T, (nq + 2 nkv) d]
             torch.ops.w8a8_cpu.rotary_embedding_(qkv, self.cos[start:end], self.sin[start:end], nq + nkv)
-            heads = qkv.view(1, t, nq + 2 * nkv, d)
-            k_cache[:, :, start:end] = heads[:, :, nq:nq + nkv].transpose(1, 2)
-            v_cache[:, :, start:end] = heads[:, :, nq + nkv:].transpose(1, 2)
-            if t == 1:
-                attn = torch.nn.functional.scaled_dot_product_attention(
-                    heads[:, :, :nq].transpose(1, 2), k_cache[:, :, :end], v_cache[:, :, :end], scale=layer.scaling,
-                    enable_gqa=True)
-                attn = attn.transpose(1, 2).reshape(1, t, nq * d)
+            if t == 1 and self.dtype == torch.float32:  # the cache writes and the attention in one op
+                attn = torch.ops.w8a8_cpu.decode_attention_(qkv.view(nq + 2 * nkv, d), k_cache, v_cache, start, nq,
+                                                            layer.scaling)
             else:
-                # the library's blocked causal attention (fp32; a no-op conversion for fp32 models)
-                attn = torch.ops.w8a8_cpu.causal_attention(
-                    heads[0, :, :nq].float(), k_cache[0, :, :end].float(), v_cache[0, :, :end].float(),
-                    layer.scaling).to(self.dtype)
-            x = layer.post_norm.add_(h, layer.o_proj(attn.view(1, t, nq * d)))
+                heads = qkv.view(t, nq + 2 * nkv, d)
+                k_cache[:, start:end] = heads[:, nq:nq + nkv].transpose(0, 1)
+                v_cache[:, start:end] = heads[:, nq + nkv:].transpose(0, 1)
+                if t == 1:  # a 16-bit model
+                    attn = torch.nn.functional.scaled_dot_product_attention(
+                        heads[:, :nq].transpose(0, 1).unsqueeze(0), k_cache[None, :, :end], v_cache[None, :, :end],
+                        scale=layer.scaling, enable_gqa=True)
+                    attn = attn.transpose(1, 2)
+                else:
+                    # the library's blocked causal attention (fp32; a no-op conversion for fp32 models)
+                    attn = torch.ops.w8a8_cpu.causal_attention(
+                        heads[:, :nq].float(), k_cache[:, :end].float(), v_cache[:, :end].float(),
+                        layer.scaling).to(self.dtype)
+            x = layer.post_norm.add_(h, layer.o_proj(attn.reshape(1, t, nq * d)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = following.add_(h, layer.mlp(x))
         return self.lm_head(x[0, -1:])[0]

@@ -737,6 +737,25 @@ def test_wrong_typed_config_values_refused_naming_config(checkpoint, field, valu
         load_quantized(checkpoint)
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c["rope_parameters"].update(rope_theta=-1), "rope_theta must be a number > 0, got -1"),
+    (lambda c: c["rope_parameters"].update(rope_theta=0.0), "rope_theta must be a number > 0, got 0.0"),
+    (lambda c: c.update(rope_theta="1e4"), "rope_theta must be a number > 0, got '1e4'"),
+    (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a number >= 0, got -1e-06"),
+    (lambda c: c.update(rms_norm_eps=float("nan")), "'rms_norm_eps' must be a finite number, got nan"),
+    (lambda c: c.update(initializer_range=float("inf")), "'initializer_range' must be a finite number, got inf"),
+], ids=["rope_theta<0", "rope_theta=0", "rope_theta_string", "eps<0", "eps_nan", "inf"])
+def test_config_numbers_out_of_their_range_refused(checkpoint, edit, message):
+    """Values of the right type that would make the loaded model compute NaN logits (found by the fuzzer: a negative
+    rope_theta loaded and gave NaN), and non-finite numbers anywhere (Python's json reads NaN and Infinity)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config.setdefault("rope_parameters", {"rope_theta": 10000.0, "rope_type": "default"})
+    edit(config)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(f"config.json: {message}")):
+        load_quantized(checkpoint)
+
+
 def test_layer_count_beyond_the_weights_refused_before_building(checkpoint):
     """num_hidden_layers larger than the layers the headers hold: refused from the headers, before a model of that
     many layers is built (1000 layers would take seconds and memory; this must be quick)."""

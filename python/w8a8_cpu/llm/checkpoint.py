@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field as dataclass_field
@@ -1063,6 +1064,35 @@ _CONFIG_SIZES = {"hidden_size": 1 << 20, "intermediate_size": 1 << 22, "moe_inte
 _CONFIG_FLAGS = ("tie_word_embeddings",)
 
 
+# Numbers the model's arithmetic needs in a range, at any depth of config.json (rope_theta also sits in rope_parameters,
+# per layer type in some models): out of it, a loaded model computes NaN logits (a negative rope_theta raised to
+# fractional powers, a negative epsilon under a square root).
+_CONFIG_POSITIVE = ("rope_theta",)
+_CONFIG_NON_NEGATIVE = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def _check_config_numbers(config_dict: dict, where: str) -> None:
+    """Every number in config.json finite (Python's json reads NaN and Infinity), and the ranges above; walked with a
+    stack, not recursion (the nesting is the file's)."""
+    pending = [config_dict]
+    while pending:
+        node = pending.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                pending.append(value)
+                continue
+            if value is None:  # unset: the config class's default
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{where}: {_echo(key)} must be a finite number, got {_echo(value)}")
+            number = type(value) in (int, float)
+            if key in _CONFIG_POSITIVE and not (number and value > 0):
+                raise ValueError(f"{where}: {key} must be a number > 0, got {_echo(value)}")
+            if key in _CONFIG_NON_NEGATIVE and not (number and value >= 0):
+                raise ValueError(f"{where}: {key} must be a number >= 0, got {_echo(value)}")
+
+
 def _json_kind(value) -> str:
     if isinstance(value, bool):
         return "true or false"
@@ -1082,6 +1112,7 @@ def _check_config_values(config_dict: dict, defaults: dict, where: str) -> None:
     for key in _CONFIG_FLAGS:
         if key in config_dict and type(config_dict[key]) is not bool:
             raise ValueError(f"{where}: {key} must be true or false, got {_echo(config_dict[key])}")
+    _check_config_numbers(config_dict, where)
     for key, value in config_dict.items():
         default = defaults.get(key)
         if value is None or default is None:

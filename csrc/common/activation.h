@@ -38,33 +38,32 @@ static void silu_mul_row(float* gate, const float* up, int64_t n) {
   for (int64_t j = 0; j < n; ++j) gate[j] = gate[j] / (1.f + exp_poly(-gate[j])) * up[j];
 }
 
-// Sum of v[i] * factor (or of v[i]^2) in one fixed order: 16 running lane sums (a vector register's worth, so the
-// loop vectorizes without reassociation), then the lanes in order. factor 0 sums to NaN exactly when some v[i] is
-// NaN or Inf (a finiteness check in the same loop shape).
-template <bool kSquare>
-static float lane_sum(const float* v, int64_t n, float factor = 1.f) {
+// Sum of term(i) for i < n in one fixed order: 16 running lane sums (a vector register's worth, so the loop
+// vectorizes without reassociation), then the lanes in order. Every sum of this file is one: the same order, the
+// same bits in every copy.
+template <typename Term>
+static inline float lane_reduce(int64_t n, Term term) {
   constexpr int kLanes = 16;
   float lane[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += kSquare ? v[i + j] * v[i + j] : v[i + j] * factor;
-  for (int j = 0; i < n; ++i, ++j) lane[j] += kSquare ? v[i] * v[i] : v[i] * factor;
+    for (int j = 0; j < kLanes; ++j) lane[j] += term(i + j);
+  for (int j = 0; i < n; ++i, ++j) lane[j] += term(i);
   float sum = 0.f;
   for (int j = 0; j < kLanes; ++j) sum += lane[j];
   return sum;
 }
 
-// Sum of a[i] * b[i] in lane_sum's fixed order (16 running lane sums, then the lanes in order).
+// Sum of v[i] * factor (or of v[i]^2). factor 0 sums to NaN exactly when some v[i] is NaN or Inf (a finiteness check
+// in the same loop shape).
+template <bool kSquare>
+static float lane_sum(const float* v, int64_t n, float factor = 1.f) {
+  return lane_reduce(n, [&](int64_t i) { return kSquare ? v[i] * v[i] : v[i] * factor; });
+}
+
+// Sum of a[i] * b[i].
 static float lane_dot(const float* a, const float* b, int64_t n) {
-  constexpr int kLanes = 16;
-  float lane[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) lane[j] += a[i + j] * b[i + j];
-  for (int j = 0; i < n; ++i, ++j) lane[j] += a[i] * b[i];
-  float sum = 0.f;
-  for (int j = 0; j < kLanes; ++j) sum += lane[j];
-  return sum;
+  return lane_reduce(n, [&](int64_t i) { return a[i] * b[i]; });
 }
 
 // The largest of v[0, n), n >= 1, by 16 lane maxima like lane_sum (any order gives the same maximum).

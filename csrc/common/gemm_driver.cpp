@@ -222,6 +222,36 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   }
 }
 
+namespace {
+
+// One row against panels p and p + 1 (p + 1 < the panel count) in one call of the variant's two_panel_row (int8) or
+// int4_two_panel_row, then the epilogue of each.
+void compute_two_panels_one_row(const MicroKernel& kernel, const uint8_t* a_packed, const PackedWeightView& w,
+                                int64_t panel, const GemmOutput& o) {
+  const int nr = w.layout.nr;
+  const auto* panels = reinterpret_cast<const uint8_t*>(w.panels) + panel * w.panel_bytes;
+  float t[2 * kMaxPanelWidth];
+  int32_t c[2 * kMaxPanelWidth];
+  if (w.int4()) {
+    kernel.int4_two_panel_row(reinterpret_cast<const int8_t*>(a_packed), panels, w.panel_bytes, w.layout, w.group,
+                              w.groups, w.has_mins(), o.a_group_sums, t);
+  } else {
+    int32_t sums[2 * kMaxPanelWidth];
+    load_col_sums(w, panel * nr, 2 * nr, sums);
+    kernel.two_panel_row(a_packed, w.panels + panel * w.panel_bytes, w.panel_bytes, sums, w.layout,
+                         w.header.k_padded, c);
+  }
+  for (int half = 0; half < 2; ++half) {
+    const int64_t n0 = (panel + half) * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
+    if (w.int4())
+      scale_row(t + half * nr, 0, n0, cols, o);
+    else
+      (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c + half * nr, 1, nr, 0, n0, cols, o);
+  }
+}
+
+}  // namespace
+
 void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, const GemmOutput& o,
                         const ParallelFor& parallel_for) {
   dynamic_for(m, rows_per_claim(n * 4), parallel_for, [&](int64_t r0, int64_t r1) {
@@ -244,13 +274,23 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const int64_t panels = h.n_padded / w.layout.nr;
   const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
+  // One row (decode): panels two by two where the variant has a two-panel row tile for the weight's scheme (a claim
+  // of an even number of panels; an odd last one alone).
+  const bool two_panels = m == 1 && (w.int4() ? kernel.int4_two_panel_row != nullptr : kernel.two_panel_row != nullptr);
   // About 2^20 multiply-adds (~15 us) per claim: few claims, yet a slow thread holds up little.
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
+  int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
+  if (two_panels) chunk = round_up(chunk, 2);
   dynamic_for(panels * row_blocks, chunk, parallel_for, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = t0; t < t1;) {
+      if (two_panels && t + 1 < t1) {
+        compute_two_panels_one_row(kernel, a_packed, w, t, o);
+        t += 2;
+        continue;
+      }
       const int64_t p = t / row_blocks, rb = t % row_blocks;
       compute_panel_rows(kernel, a_packed, a_stride, rb * rows_per_block, std::min(m, (rb + 1) * rows_per_block), w,
                          p, o);
+      ++t;
     }
   }, kernel.thread_enter, kernel.thread_leave);
 }

@@ -92,6 +92,19 @@ struct MicroKernel {
   // bits either way.
   void (*scale_tile)(const int32_t* c, int rows, int nr, int64_t r0, int64_t n0, int64_t cols,
                      const GemmOutput& o) = nullptr;
+
+  // Optional decode tile (null: `tile` panel by panel): one packed row of A against two consecutive int8 panels, the
+  // second panel_bytes after the first, in one pass: c[j] of the first panel's nr channels, c[nr + j] of the second's,
+  // the exact int32 of two `tile` calls (col_sums: both panels', 2 nr). One row does little work per weight byte, and
+  // two weight streams in flight keep more of the memory system busy than one (avx2 on Zen3, M = 1: the single-panel
+  // tile read at ~85-90% of a streaming sum's bandwidth, two panels at ~97-100%).
+  void (*two_panel_row)(const void* a, const int8_t* panel, int64_t panel_bytes, const int32_t* col_sums,
+                        PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
+  // The same for int4 panels (null: int4_tile, or the widening path, panel by panel): int4_tile's t for one row of
+  // plain int8 A, t[j] of the first panel and t[nr + j] of the second, as two int4_tile calls give them.
+  void (*int4_two_panel_row)(const int8_t* a, const uint8_t* panel, int64_t panel_bytes, PanelLayout layout,
+                             int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums,
+                             float* t) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

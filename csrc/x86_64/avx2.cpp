@@ -28,43 +28,57 @@ constexpr int kNr = kX86PanelWidth;
 constexpr int kMr = 4;
 
 // One k group of a panel is 64 bytes: channels 0-7 x 4 k, then channels 8-15 x 4 k. Each int32 lane of the
-// products is one channel's sum over the group's 4 k.
-template <int M>
-void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t k_padded, int32_t* c) {
+// products is one channel's sum over the group's 4 k. P panels (the second panel_bytes after the first) in one pass:
+// P = 2 is the decode row tile (MicroKernel::two_panel_row), c[i * P * 16 + p * 16 + j].
+template <int M, int P = 1>
+void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t panel_bytes, int64_t k_padded,
+               int32_t* c) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[M][2];
+  __m256i acc[M][2 * P];
   // Fully unrolled so the accumulators live in registers (GCC 12 at -O2 keeps a rolled loop's array in memory).
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-  const int8_t* b = panel;
-  for (int64_t k = 0; k < k_padded; k += 4, b += kNr * 4) {
-    // Into L2, kX86PrefetchBytes ahead (why and how far: x86_common.h).
-    _mm_prefetch(reinterpret_cast<const char*>(b + kX86PrefetchBytes), _MM_HINT_T1);
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
-    const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int h = 0; h < 2 * P; ++h) acc[i][h] = _mm256_setzero_si256();
+  for (int64_t k = 0, offset = 0; k < k_padded; k += 4, offset += kNr * 4) {
+    __m256i w[2 * P], u[2 * P];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const int8_t* b = panel + p * panel_bytes + offset;
+      // Into L2, kX86PrefetchBytes ahead (why and how far: x86_common.h).
+      _mm_prefetch(reinterpret_cast<const char*>(b + kX86PrefetchBytes), _MM_HINT_T1);
+      w[2 * p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+      w[2 * p + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
+      u[2 * p] = _mm256_abs_epi8(w[2 * p]), u[2 * p + 1] = _mm256_abs_epi8(w[2 * p + 1]);
+    }
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       int32_t a4;
       std::memcpy(&a4, a + i * stride + k, 4);
       const __m256i av = _mm256_set1_epi32(a4);
-      const __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(av, w0));
-      const __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_sign_epi8(av, w1));
-      acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(p0, ones));
-      acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(p1, ones));
+#pragma GCC unroll 4
+      for (int h = 0; h < 2 * P; ++h)
+        acc[i][h] = _mm256_add_epi32(acc[i][h],
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(u[h], _mm256_sign_epi8(av, w[h])), ones));
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kNr), acc[i][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * kNr + 8), acc[i][1]);
-  }
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int h = 0; h < 2 * P; ++h) _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * P * kNr + h * 8), acc[i][h]);
 }
 
 void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout,
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const int8_t*>(a);
-  with_row_count<kMr>(m, [&](auto rows) { tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, k_padded, c); });
+  with_row_count<kMr>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, 0, k_padded, c);
+  });
+}
+
+void avx2_two_panel_row(const void* a, const int8_t* panel, int64_t panel_bytes, const int32_t*, PanelLayout,
+                        int64_t k_padded, int32_t* c) {
+  tile_rows<1, 2>(static_cast<const int8_t*>(a), 0, panel, panel_bytes, k_padded, c);
 }
 
 // a + b (int16 lanes) as an asm statement: GCC 12 reassociates a chain of _mm256_add_epi16 over an unrolled chunk,
@@ -80,70 +94,94 @@ inline __m256i add_in_order(__m256i a, __m256i b) {
 // fit int16 (30480), so each 32 k costs one vpmaddwd per channel half. acc = sum u * a = sum q * a + 8 * sum a:
 // starting acc at -8 * the row's group sum leaves q's exact group product. The groups combine in the driver's fp32
 // order (mul, then add: no FMA).
-template <int M>
-void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
-               const int32_t* a_group_sums, float* t) {
+// P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode row tile
+// (MicroKernel::int4_two_panel_row), t[i * P * 16 + p * 16 + j].
+template <int M, int P = 1>
+void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, int64_t group,
+               int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-  // into_next for decode only: a 4-row tile is also the prefill tile
-  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*into_next=*/M <= 2);
-  const uint8_t* nibbles = panel;
-  for (int i = 0; i < M * kNr; ++i) t[i] = 0.f;
+  constexpr int kCols = P * kNr;
+  Int4PanelStream stream[P];
+  const uint8_t* nibbles[P];
+#pragma GCC unroll 2
+  for (int p = 0; p < P; ++p) {
+    // running on into the next panels for decode only: a 4-row tile is also the prefill tile
+    stream[p] = int4_panel_stream(panel + p * panel_bytes, group, groups, has_mins, /*decode=*/M <= 2, P);
+    nibbles[p] = stream[p].panel;
+  }
+  for (int i = 0; i < M * kCols; ++i) t[i] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(stream.scales_ahead(g), _MM_HINT_T1);
-    if (has_mins) _mm_prefetch(stream.mins_ahead(g), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      _mm_prefetch(stream[p].scales_ahead(g), _MM_HINT_T1);
+      if (has_mins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
+    }
     // The group's int32 products, in memory (L1) between its 32-k chunks: with the pair sums in registers as well,
     // 16 ymm are too few at 4 rows (GCC spilled inside the chunk).
-    alignas(32) int32_t acc[M * kNr];
+    alignas(32) int32_t acc[M * kCols];
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kNr), start);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kNr + 8), start);
+#pragma GCC unroll 4
+      for (int h = 0; h < 2 * P; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kCols + h * 8), start);
     }
     for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-      const char* ahead = stream.nibbles_ahead(nibbles);
-      __m256i pairs[M][2];
+      const char* ahead[P];
+      __m256i pairs[M][2 * P];
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) ahead[p] = stream[p].nibbles_ahead(nibbles[p]);
 #pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) pairs[i][0] = pairs[i][1] = _mm256_setzero_si256();
+      for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+        for (int h = 0; h < 2 * P; ++h) pairs[i][h] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
-        if (s % 2 == 0) _mm_prefetch(ahead + s * 32, _MM_HINT_T1);  // one per line
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles + s * 32));
-        const __m256i u0 = _mm256_and_si256(packed, low_nibbles);
-        const __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+        __m256i u[2 * P];
+#pragma GCC unroll 2
+        for (int p = 0; p < P; ++p) {
+          if (s % 2 == 0) _mm_prefetch(ahead[p] + s * 32, _MM_HINT_T1);  // one per line
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + s * 32));
+          u[2 * p] = _mm256_and_si256(packed, low_nibbles);
+          u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < M; ++i) {
           int32_t a4;
           std::memcpy(&a4, a + i * stride + k0 + s * 4, 4);
           const __m256i av = _mm256_set1_epi32(a4);
-          pairs[i][0] = add_in_order(pairs[i][0], _mm256_maddubs_epi16(u0, av));
-          pairs[i][1] = add_in_order(pairs[i][1], _mm256_maddubs_epi16(u1, av));
+#pragma GCC unroll 4
+          for (int h = 0; h < 2 * P; ++h) pairs[i][h] = add_in_order(pairs[i][h], _mm256_maddubs_epi16(u[h], av));
         }
       }
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          auto* row = reinterpret_cast<__m256i*>(acc + i * kNr + h * 8);
+#pragma GCC unroll 4
+        for (int h = 0; h < 2 * P; ++h) {
+          auto* row = reinterpret_cast<__m256i*>(acc + i * kCols + h * 8);
           _mm256_store_si256(row, _mm256_add_epi32(_mm256_load_si256(row), _mm256_madd_epi16(pairs[i][h], ones)));
         }
-      nibbles += 256;
-    }
-    const auto* scales = reinterpret_cast<const float*>(stream.scales() + g * kNr * 4);
-    const auto* mins = reinterpret_cast<const float*>(stream.mins() + g * kNr * 4);
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        float* ti = t + i * kNr + h * 8;
-        const auto* products = reinterpret_cast<const __m256i*>(acc + i * kNr + h * 8);
-        const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
-        __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, _mm256_loadu_ps(scales + h * 8)));
-        if (has_mins) {
-          const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
-          v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
+      for (int p = 0; p < P; ++p) nibbles[p] += 256;
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const auto* scales = reinterpret_cast<const float*>(stream[p].scales() + g * kNr * 4);
+      const auto* mins = reinterpret_cast<const float*>(stream[p].mins() + g * kNr * 4);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const int64_t column = i * kCols + p * kNr + h * 8;
+          float* ti = t + column;
+          const auto* products = reinterpret_cast<const __m256i*>(acc + column);
+          const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
+          __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, _mm256_loadu_ps(scales + h * 8)));
+          if (has_mins) {
+            const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
+            v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
+          }
+          _mm256_storeu_ps(ti, v);
         }
-        _mm256_storeu_ps(ti, v);
       }
     }
   }
@@ -152,8 +190,13 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
 void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout, int64_t group,
                     int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
   with_row_count<kMr>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, group, groups, has_mins, a_group_sums, t);
+    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, 0, group, groups, has_mins, a_group_sums, t);
   });
+}
+
+void avx2_int4_two_panel_row(const int8_t* a, const uint8_t* panel, int64_t panel_bytes, PanelLayout, int64_t group,
+                             int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
+  int4_rows<1, 2>(a, 0, panel, panel_bytes, group, groups, has_mins, a_group_sums, t);
 }
 
 // Loads 8 elements as fp32 (bf16: shift into the high half; fp16: F16C, exact).
@@ -224,6 +267,8 @@ const MicroKernel kAvx2Kernel = {
     silu_mul_row,
     causal_softmax_row,
     scale_tile,
+    avx2_two_panel_row,
+    avx2_int4_two_panel_row,
 };
 
 }  // namespace w8a8_cpu

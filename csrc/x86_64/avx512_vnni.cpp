@@ -92,7 +92,7 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
   // The row loops are unrolled so that sum and acc stay in registers (GCC 12 kept a rolled loop's sum in memory:
   // prefill ~15% slower).
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*into_next=*/M <= 4);
+  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*decode=*/M <= 4, 1);
   const uint8_t* nibbles = panel;
   __m512 sum[M];
 #pragma GCC unroll 8

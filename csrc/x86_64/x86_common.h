@@ -22,25 +22,27 @@ constexpr int kX86PrefetchBytes = 8192;
 // scales [groups][16], then with minimums those [groups][16]. The tiles prefetch into L2 one line per line they read
 // (a burst of a group's lines at its start measured slower), kX86PrefetchBytes ahead in the nibbles and as many groups
 // ahead in the scales and minimums (a second and third stream; without them every small group waits on its scales),
-// running on into the same region of the next panel: panels lie back to back, and without that each panel started
-// on demand misses (decode M = 1 g32: 4096x4096 at ~1.0x W8A8's time, not ~0.8x).
+// running on into the same region of the panel the tile reads next: panels lie back to back, and without that each
+// panel started on demand misses (decode M = 1 g32: 4096x4096 at ~1.0x W8A8's time, not ~0.8x).
 // The methods return addresses and the tiles issue the prefetches: GCC (12) deletes a call to a function whose only
 // effect is a prefetch. In an unnamed namespace, as `static` elsewhere: each ISA-flagged TU keeps its own copy.
 namespace {
 struct Int4PanelStream {
   const uint8_t* panel;
   int64_t nibble_bytes, value_bytes, panel_bytes;
-  int64_t lead;    // groups ahead: kX86PrefetchBytes of nibbles
-  bool into_next;  // past a region's end: into the next panel (decode) or this one (see int4_panel_stream)
+  int64_t lead;       // groups ahead: kX86PrefetchBytes of nibbles
+  int64_t next_bytes;  // past a region's end: into the same region this many bytes on (the panel this tile reads
+                       // next, decode), or 0: on into this panel's next region (see int4_panel_stream)
 
   const uint8_t* scales() const { return panel + nibble_bytes; }
   const uint8_t* mins() const { return panel + nibble_bytes + value_bytes; }
 
   // The address `offset` bytes into the region at region_offset (region_bytes long); past its end, into the next
-  // panel's (into_next) or on into this panel's next region.
+  // panel's (next_bytes) or on into this panel's next region.
   const char* ahead(int64_t region_offset, int64_t region_bytes, int64_t offset) const {
-    const int64_t into = offset < region_bytes || !into_next ? region_offset + offset
-                                                              : panel_bytes + region_offset + offset - region_bytes;
+    const int64_t into = offset < region_bytes || next_bytes == 0
+                             ? region_offset + offset
+                             : next_bytes + region_offset + offset - region_bytes;
     return reinterpret_cast<const char*>(panel + into);
   }
   // The line of group g + lead's scales, and of its minimums.
@@ -57,13 +59,17 @@ struct Int4PanelStream {
   }
 };
 
-// into_next: for tiles of few rows (decode, where each panel is read once, from memory). A tile of many rows (prefill)
-// re-reads its panel from cache for every block of rows, and running on into the next panel measured ~5-10% slower.
-Int4PanelStream int4_panel_stream(const uint8_t* panel, int64_t group, int64_t groups, bool has_mins, bool into_next) {
+// decode: for tiles of few rows (decode, where each panel is read once, from memory), the prefetches run on into the
+// panel this tile reads next: `panels` on, for a tile reading that many side by side (the panels lie back to back).
+// A tile of many rows (prefill) re-reads its panel from cache for every block of rows, and running on into the next
+// panel measured ~5-10% slower.
+Int4PanelStream int4_panel_stream(const uint8_t* panel, int64_t group, int64_t groups, bool has_mins, bool decode,
+                                  int panels) {
   const int64_t group_nibble_bytes = group * kX86PanelWidth / 2, value_bytes = groups * kX86PanelWidth * 4;
   const int64_t nibble_bytes = groups * group_nibble_bytes;
-  return {panel, nibble_bytes, value_bytes, nibble_bytes + value_bytes * (has_mins ? 2 : 1),
-          std::max<int64_t>(1, kX86PrefetchBytes / group_nibble_bytes), into_next};
+  const int64_t panel_bytes = nibble_bytes + value_bytes * (has_mins ? 2 : 1);
+  return {panel, nibble_bytes, value_bytes, panel_bytes,
+          std::max<int64_t>(1, kX86PrefetchBytes / group_nibble_bytes), decode ? panels * panel_bytes : 0};
 }
 }  // namespace
 

@@ -139,6 +139,37 @@ void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes
   std::printf("  %-12s matmul sweep: %zu shapes, %" PRId64 " mismatches\n", kern.name, shapes.size(), mismatches);
 }
 
+// The decode tile over two panels at once (MicroKernel::two_panel_row): one row of every shape against each pair of
+// consecutive panels, exact against the int64 reference (the sweep's long K included).
+void test_two_panel_row(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
+  if (!kern.two_panel_row) return;
+  std::mt19937_64 rng(seed);
+  int64_t mismatches = 0, pairs = 0;
+  for (const Shape& shape : shapes) {
+    const Shape s{1, shape.n + kern.geometry().layout.nr, shape.k};  // at least two panels
+    const auto a = random_int8(rng, s.k, a_min(kern), 127), w = random_int8(rng, s.n * s.k, -128, 127);
+    const auto want = reference_matmul(a, w, s);
+    std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w"));
+    pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
+    const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
+    const int64_t kp = pw.header.k_padded, nr = pw.layout.nr;
+    std::vector<int32_t> sums(pw.header.n_padded), c(2 * nr);
+    load_col_sums(pw, 0, pw.header.n_padded, sums.data());
+    std::vector<uint8_t> apack(static_cast<size_t>(kp) * kern.geometry().a_elem_bytes);
+    const int8_t* row = a.data();
+    kern.pack_a_rows(&row, 1, s.k, kp, apack.data(), apack.size());
+    for (int64_t p = 0; p + 1 < pw.header.n_padded / nr; ++p, ++pairs) {
+      kern.two_panel_row(apack.data(), pw.panels + p * pw.panel_bytes, pw.panel_bytes, sums.data() + p * nr, pw.layout,
+                         kp, c.data());
+      for (int64_t j = 0; j < 2 * nr && p * nr + j < s.n; ++j)
+        if (c[j] != want[p * nr + j] && mismatches++ < 5)
+          CHECK(false, "%s: two_panel_row N=%" PRId64 " K=%" PRId64 " panel %" PRId64 " column %" PRId64 ": got %d want "
+                "%" PRId64, kern.name, s.n, s.k, p, j, c[j], want[p * nr + j]);
+    }
+  }
+  std::printf("  %-12s two_panel_row: %" PRId64 " panel pairs, %" PRId64 " mismatches\n", kern.name, pairs, mismatches);
+}
+
 // Extremes at the largest allowed K: every product +-2^14 must accumulate without int32 overflow.
 void test_extreme_k(const MicroKernel& kern) {
   const Shape s{2, 3, kMaxK};
@@ -291,6 +322,18 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
       mismatches += std::memcmp(&want, &out[i * s.n + j], 4) != 0;
     }
   }
+  // Each row alone (decode: int4_two_panel_row where the variant has it; 77 columns are two pairs of panels and one
+  // more) gives the same bits.
+  int64_t row_mismatches = 0;
+  std::vector<float> row_out(s.n);
+  for (int64_t i = 0; i < s.m; ++i) {
+    linear(kern, x.data() + i * s.k, FloatKind::f32, 1, s.k, nullptr, view,
+           {nullptr, w_scale.data(), nullptr, row_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
+           serial_for);
+    row_mismatches += std::memcmp(row_out.data(), out.data() + i * s.n, s.n * 4) != 0;
+  }
+  CHECK(row_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " rows differ when computed alone", kern.name,
+        row_mismatches);
   const uint64_t got = fnv1a_float(out);
   CHECK(mismatches == 0, "%s: int4 shared vectors: %" PRId64 " outputs differ from the scalar implementation",
         kern.name, mismatches);
@@ -355,10 +398,9 @@ void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
 }
 
 // The whole driver (quantize, pack, gemm, epilogue) gives bit-identical outputs in every variant.
-void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed) {
+void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint64_t seed, const Shape& s) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  const Shape s{7, 45, 301};
   std::vector<float> x(s.m * s.k), w_scale(s.n), bias(s.n);
   for (auto& v : x) v = nd(rng);
   for (auto& v : w_scale) v = 0.01f + std::abs(nd(rng)) * 0.01f;
@@ -398,7 +440,8 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
     CHECK(std::memcmp(rescaled.data(), out.data(), out.size() * 4) == 0,
           "%s: raw int32 + scale_accumulators differs from gemm", kern->name);
   }
-  std::printf("  driver output bit-identical across %zu variants\n", kernels.size());
+  std::printf("  driver output bit-identical across %zu variants, M=%" PRId64 " N=%" PRId64 " K=%" PRId64 "\n",
+              kernels.size(), s.m, s.n, s.k);
 }
 
 // Through the driver every variant takes all of int8 in A and W: a caller's A holding -128 (never produced by the
@@ -672,6 +715,7 @@ int run(int argc, char** argv) {
     }
     runnable.push_back(kern);
     test_matmul_sweep(*kern, shapes, seed);
+    test_two_panel_row(*kern, shapes, seed);
     test_extreme_k(*kern);
     test_driver_int8_min(*kern, seed);
     test_quantization(*kern, seed);
@@ -688,7 +732,8 @@ int run(int argc, char** argv) {
   }
   test_crc32c();
   test_dynamic_for_threads_and_hooks();
-  test_driver_identical(runnable, seed);
+  test_driver_identical(runnable, seed, {7, 45, 301});
+  test_driver_identical(runnable, seed, {1, 45, 301});  // decode: two_panel_row where a variant has it (3 panels)
   g_failures += run_moe_tests(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");
   std::printf("%s: %zu variants run, %d failures\n", g_failures ? "FAILED" : "OK", runnable.size(), g_failures);

@@ -1,5 +1,5 @@
 // The activations of a decoder layer, one definition each: silu(gate) * up (gated_linear, the fused MoE) and the
-// causal softmax of attention scores (causal_attention). `static` (as microkernel.h's helpers): the driver and each
+// causal softmax of attention scores (causal_attention), one head's attention at a decode position. `static` (as microkernel.h's helpers): the driver and each
 // ISA-flagged variant TU compile their own copy, which the compiler vectorizes with that TU's ISA (SmolLM2's prefill:
 // 512 x 1536 SiLU elements a layer, 1.0 ms with the baseline ISA, 0.24 ms with AVX-512). Plain IEEE operations in a
 // fixed order, no library call and no FMA (-ffp-contract=off): every copy gives the same bits.
@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+
+#include "microkernel.h"
 
 namespace w8a8_cpu {
 
@@ -93,6 +95,23 @@ static void causal_softmax_row(float* s, int64_t len, int64_t n) {
   const float inv = 1.f / lane_sum<false>(s, len);
   for (int64_t j = 0; j < len; ++j) s[j] *= inv;
   std::fill(s + len, s + n, 0.f);
+}
+
+// One query head's attention at one decode position (layer_ops.h's attend_one_position: the contract): the query
+// scaled, its dot products with the keys in lane_dot's order, causal_softmax_row over them, the values summed in key
+// order. d <= kMaxHeadDim; scores: `keys` floats of scratch.
+static void attend_one_position_row(const float* q, const float* k, const float* v, int64_t keys, int64_t d,
+                                    float scale, float* scores, float* out) {
+  float query[kMaxHeadDim];
+  for (int64_t e = 0; e < d; ++e) query[e] = q[e] * scale;
+  for (int64_t j = 0; j < keys; ++j) scores[j] = lane_dot(query, k + j * d, d);
+  causal_softmax_row(scores, keys, keys);
+  std::fill(out, out + d, 0.f);
+  for (int64_t j = 0; j < keys; ++j) {
+    const float p = scores[j];
+    const float* vj = v + j * d;
+    for (int64_t e = 0; e < d; ++e) out[e] += p * vj[e];
+  }
 }
 
 }  // namespace w8a8_cpu

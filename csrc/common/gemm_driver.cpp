@@ -224,30 +224,32 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
 
 namespace {
 
-// One row against panels p and p + 1 (p + 1 < the panel count) in one call of the variant's two_panel_row (int8) or
-// int4_two_panel_row, then the epilogue of each.
-void compute_two_panels_one_row(const MicroKernel& kernel, const uint8_t* a_packed, const PackedWeightView& w,
-                                int64_t panel, const GemmOutput& o) {
+// m <= kTwoPanelMaxRows rows against panels p and p + 1 (p + 1 < the panel count) in one call of the variant's
+// two_panel_rows (int8) or int4_two_panel_rows, then the epilogue of each row of each panel.
+void compute_two_panels(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int m,
+                        const PackedWeightView& w, int64_t panel, const GemmOutput& o) {
   const int nr = w.layout.nr;
   const auto* panels = reinterpret_cast<const uint8_t*>(w.panels) + panel * w.panel_bytes;
-  float t[2 * kMaxPanelWidth];
-  int32_t c[2 * kMaxPanelWidth];
+  float t[kTwoPanelMaxRows * 2 * kMaxPanelWidth];
+  int32_t c[kTwoPanelMaxRows * 2 * kMaxPanelWidth];
   if (w.int4()) {
-    kernel.int4_two_panel_row(reinterpret_cast<const int8_t*>(a_packed), panels, w.panel_bytes, w.layout, w.group,
-                              w.groups, w.has_mins(), o.a_group_sums, t);
+    kernel.int4_two_panel_rows(reinterpret_cast<const int8_t*>(a_packed), static_cast<size_t>(a_stride), m, panels,
+                               w.panel_bytes, w.layout, w.group, w.groups, w.has_mins(), o.a_group_sums, t);
   } else {
     int32_t sums[2 * kMaxPanelWidth];
     load_col_sums(w, panel * nr, 2 * nr, sums);
-    kernel.two_panel_row(a_packed, w.panels + panel * w.panel_bytes, w.panel_bytes, sums, w.layout,
-                         w.header.k_padded, c);
+    kernel.two_panel_rows(a_packed, static_cast<size_t>(a_stride), m, w.panels + panel * w.panel_bytes, w.panel_bytes,
+                          sums, w.layout, w.header.k_padded, c);
   }
-  for (int half = 0; half < 2; ++half) {
-    const int64_t n0 = (panel + half) * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
-    if (w.int4())
-      scale_row(t + half * nr, 0, n0, cols, o);
-    else
-      (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c + half * nr, 1, nr, 0, n0, cols, o);
-  }
+  for (int i = 0; i < m; ++i)
+    for (int half = 0; half < 2; ++half) {
+      const int64_t n0 = (panel + half) * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
+      const int64_t at = (i * 2 + half) * nr;
+      if (w.int4())
+        scale_row(t + at, i, n0, cols, o);
+      else
+        (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c + at, 1, nr, i, n0, cols, o);
+    }
 }
 
 }  // namespace
@@ -274,16 +276,17 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const int64_t panels = h.n_padded / w.layout.nr;
   const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
-  // One row (decode): panels two by two where the variant has a two-panel row tile for the weight's scheme (a claim
-  // of an even number of panels; an odd last one alone).
-  const bool two_panels = m == 1 && (w.int4() ? kernel.int4_two_panel_row != nullptr : kernel.two_panel_row != nullptr);
+  // Decode (m <= kTwoPanelMaxRows, a task per panel): panels two by two where the variant has a two-panel tile for the weight's scheme
+  // (a claim of an even number of panels; an odd last one alone).
+  const bool two_panels = m <= kTwoPanelMaxRows && row_blocks == 1 &&
+                          (w.int4() ? kernel.int4_two_panel_rows != nullptr : kernel.two_panel_rows != nullptr);
   // About 2^20 multiply-adds (~15 us) per claim: few claims, yet a slow thread holds up little.
   int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
   if (two_panels) chunk = round_up(chunk, 2);
   dynamic_for(panels * row_blocks, chunk, parallel_for, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1;) {
       if (two_panels && t + 1 < t1) {
-        compute_two_panels_one_row(kernel, a_packed, w, t, o);
+        compute_two_panels(kernel, a_packed, a_stride, static_cast<int>(m), w, t, o);
         t += 2;
         continue;
       }

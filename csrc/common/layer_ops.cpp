@@ -60,16 +60,8 @@ void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* 
 
 void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
                          int64_t d, float scale, float* scores, float* out) {
-  float query[kMaxHeadDim];
-  for (int64_t e = 0; e < d; ++e) query[e] = q[e] * scale;
-  for (int64_t j = 0; j < keys; ++j) scores[j] = lane_dot(query, k + j * d, d);
-  causal_softmax(kernel, scores, keys, keys);
-  std::fill(out, out + d, 0.f);
-  for (int64_t j = 0; j < keys; ++j) {
-    const float p = scores[j];
-    const float* vj = v + j * d;
-    for (int64_t e = 0; e < d; ++e) out[e] += p * vj[e];
-  }
+  (kernel.attend_one_position ? kernel.attend_one_position : attend_one_position_row)(q, k, v, keys, d, scale, scores,
+                                                                                     out);
 }
 
 void causal_softmax(const MicroKernel& kernel, float* s, int64_t len, int64_t n) {

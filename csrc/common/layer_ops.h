@@ -11,10 +11,9 @@
 
 namespace w8a8_cpu {
 
-// Most elements of a normed row and of a rotated head (their fp32 copies of bf16/fp16 rows live on the stack,
-// 64 KiB and 4 KiB): hidden sizes of today's LLMs are <= 16384, head sizes <= 256.
+// Most elements of a normed row (its fp32 copy of a bf16/fp16 row lives on the stack, 64 KiB): hidden sizes of today's
+// LLMs are <= 16384. A head's: kMaxHeadDim (microkernel.h).
 constexpr int64_t kMaxNormRow = 16384;
-constexpr int64_t kMaxHeadDim = 1024;
 
 // y = weight * (v / sqrt(mean(v^2) + eps)) over one row of n elements (transformers' RMSNorm), where v = x, or
 // v = x + delta written to sum_out when delta is not null (the pre-norm residual stream: h += delta; y = norm(h);
@@ -31,7 +30,8 @@ void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* 
 // One query head's attention at one decode position: out[0, d) = sum over keys j < keys of p_j * v[j], with
 // p = softmax(scale * q . k[j]) (rows of k and v d floats apart; 1 <= keys, d <= kMaxHeadDim; scores: `keys` floats
 // of scratch). The dot products in lane_dot's fixed order, the softmax as the prompt attention's (causal_softmax:
-// a NaN or Inf score makes the head's output NaN), the weighted sum in key order: the same bits on every thread.
+// a NaN or Inf score makes the head's output NaN), the weighted sum in key order: the same bits on every thread, in
+// the kernel's ISA where it has a copy (activation.h's attend_one_position_row).
 void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
                          int64_t d, float scale, float* scores, float* out);
 

@@ -30,6 +30,11 @@ constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
 // scratch, packing, each task), so it must return the same value for the life of the process.
 // The driver's int32 tile buffer (on the stack): mr * nr of any tile call fits it.
 constexpr int kMaxTileInt32 = 1024;
+// Largest attention head (MicroKernel::attend_one_position, the rotary embedding): head sizes of today's LLMs are
+// <= 256; an fp32 copy of a head lives on the stack (4 KiB).
+constexpr int64_t kMaxHeadDim = 1024;
+// Most rows of A a two-panel decode tile takes (MicroKernel::two_panel_rows).
+constexpr int kTwoPanelMaxRows = 2;
 
 struct TileGeometry {
   PanelLayout layout;   // packed weight layout this variant packs and reads
@@ -87,24 +92,27 @@ struct MicroKernel {
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   void (*causal_softmax)(float* s, int64_t len, int64_t n) = nullptr;
+  // Optional: activation.h's attend_one_position_row (one query head at one decode position; d <= kMaxHeadDim) in the
+  // variant's ISA, likewise the same bits.
+  void (*attend_one_position)(const float* q, const float* k, const float* v, int64_t keys, int64_t d, float scale,
+                              float* scores, float* out) = nullptr;
 
   // Optional: epilogue.h's scale_tile compiled in the variant's TU, with its ISA (null: the driver's copy). The same
   // bits either way.
   void (*scale_tile)(const int32_t* c, int rows, int nr, int64_t r0, int64_t n0, int64_t cols,
                      const GemmOutput& o) = nullptr;
 
-  // Optional decode tile (null: `tile` panel by panel): one packed row of A against two consecutive int8 panels, the
-  // second panel_bytes after the first, in one pass: c[j] of the first panel's nr channels, c[nr + j] of the second's,
-  // the exact int32 of two `tile` calls (col_sums: both panels', 2 nr). One row does little work per weight byte, and
-  // two weight streams in flight keep more of the memory system busy than one (avx2 on Zen3, M = 1: the single-panel
-  // tile read at ~85-90% of a streaming sum's bandwidth, two panels at ~97-100%).
-  void (*two_panel_row)(const void* a, const int8_t* panel, int64_t panel_bytes, const int32_t* col_sums,
-                        PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
-  // The same for int4 panels (null: int4_tile, or the widening path, panel by panel): int4_tile's t for one row of
-  // plain int8 A, t[j] of the first panel and t[nr + j] of the second, as two int4_tile calls give them.
-  void (*int4_two_panel_row)(const int8_t* a, const uint8_t* panel, int64_t panel_bytes, PanelLayout layout,
-                             int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums,
-                             float* t) = nullptr;
+  // Optional decode tiles (null: `tile` / `int4_tile` panel by panel): m <= kTwoPanelMaxRows packed rows of A against
+  // two consecutive panels, the second panel_bytes after the first, in one pass: c[i * 2 nr + j] of the first panel's
+  // nr channels, c[i * 2 nr + nr + j] of the second's, the exact int32 of two `tile` calls (col_sums: both panels',
+  // 2 nr); for int4 panels, int4_tile's t likewise. A decode row does little work per weight byte, and two weight
+  // streams in flight keep more of the memory system busy than one (avx2 on Zen3: M = 1 at ~80-85% of a streaming
+  // sum's bandwidth panel by panel, ~95-100% two at a time; M = 2 +15-20%).
+  void (*two_panel_rows)(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
+                         const int32_t* col_sums, PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
+  void (*int4_two_panel_rows)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
+                              PanelLayout layout, int64_t group, int64_t groups, bool has_mins,
+                              const int32_t* a_group_sums, float* t) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

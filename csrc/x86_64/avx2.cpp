@@ -29,7 +29,7 @@ constexpr int kMr = 4;
 
 // One k group of a panel is 64 bytes: channels 0-7 x 4 k, then channels 8-15 x 4 k. Each int32 lane of the
 // products is one channel's sum over the group's 4 k. P panels (the second panel_bytes after the first) in one pass:
-// P = 2 is the decode row tile (MicroKernel::two_panel_row), c[i * P * 16 + p * 16 + j].
+// P = 2 is the decode tile (MicroKernel::two_panel_rows), c[i * P * 16 + p * 16 + j].
 template <int M, int P = 1>
 void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t panel_bytes, int64_t k_padded,
                int32_t* c) {
@@ -76,9 +76,12 @@ void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
   });
 }
 
-void avx2_two_panel_row(const void* a, const int8_t* panel, int64_t panel_bytes, const int32_t*, PanelLayout,
-                        int64_t k_padded, int32_t* c) {
-  tile_rows<1, 2>(static_cast<const int8_t*>(a), 0, panel, panel_bytes, k_padded, c);
+void avx2_two_panel_rows(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
+                         const int32_t*, PanelLayout, int64_t k_padded, int32_t* c) {
+  const auto* a8 = static_cast<const int8_t*>(a);
+  with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value, 2>(a8, a_row_stride, panel, panel_bytes, k_padded, c);
+  });
 }
 
 // a + b (int16 lanes) as an asm statement: GCC 12 reassociates a chain of _mm256_add_epi16 over an unrolled chunk,
@@ -95,7 +98,7 @@ inline __m256i add_in_order(__m256i a, __m256i b) {
 // starting acc at -8 * the row's group sum leaves q's exact group product. The groups combine in the driver's fp32
 // order (mul, then add: no FMA).
 // P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode row tile
-// (MicroKernel::int4_two_panel_row), t[i * P * 16 + p * 16 + j].
+// (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
 template <int M, int P = 1>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, int64_t group,
                int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
@@ -194,9 +197,12 @@ void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* 
   });
 }
 
-void avx2_int4_two_panel_row(const int8_t* a, const uint8_t* panel, int64_t panel_bytes, PanelLayout, int64_t group,
-                             int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
-  int4_rows<1, 2>(a, 0, panel, panel_bytes, group, groups, has_mins, a_group_sums, t);
+void avx2_int4_two_panel_rows(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
+                              PanelLayout, int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums,
+                              float* t) {
+  with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
+    int4_rows<decltype(rows)::value, 2>(a, a_row_stride, panel, panel_bytes, group, groups, has_mins, a_group_sums, t);
+  });
 }
 
 // Loads 8 elements as fp32 (bf16: shift into the high half; fp16: F16C, exact).
@@ -266,9 +272,10 @@ const MicroKernel kAvx2Kernel = {
     avx2_int4_tile,
     silu_mul_row,
     causal_softmax_row,
+    attend_one_position_row,
     scale_tile,
-    avx2_two_panel_row,
-    avx2_int4_two_panel_row,
+    avx2_two_panel_rows,
+    avx2_int4_two_panel_rows,
 };
 
 }  // namespace w8a8_cpu

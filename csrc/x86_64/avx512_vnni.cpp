@@ -163,6 +163,7 @@ const MicroKernel kAvx512VnniKernel = {
     vnni_int4_tile,
     silu_mul_row,
     causal_softmax_row,
+    attend_one_position_row,
     scale_tile,
 };
 

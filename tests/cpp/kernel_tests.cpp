@@ -139,35 +139,40 @@ void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes
   std::printf("  %-12s matmul sweep: %zu shapes, %" PRId64 " mismatches\n", kern.name, shapes.size(), mismatches);
 }
 
-// The decode tile over two panels at once (MicroKernel::two_panel_row): one row of every shape against each pair of
-// consecutive panels, exact against the int64 reference (the sweep's long K included).
-void test_two_panel_row(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
-  if (!kern.two_panel_row) return;
+// The decode tile over two panels at once (MicroKernel::two_panel_rows): 1 and kTwoPanelMaxRows rows of every shape
+// against each pair of consecutive panels, exact against the int64 reference (the sweep's long K included).
+void test_two_panel_rows(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
+  if (!kern.two_panel_rows) return;
   std::mt19937_64 rng(seed);
   int64_t mismatches = 0, pairs = 0;
   for (const Shape& shape : shapes) {
-    const Shape s{1, shape.n + kern.geometry().layout.nr, shape.k};  // at least two panels
-    const auto a = random_int8(rng, s.k, a_min(kern), 127), w = random_int8(rng, s.n * s.k, -128, 127);
+    const Shape s{shape.m % 2 ? 1 : kTwoPanelMaxRows, shape.n + kern.geometry().layout.nr, shape.k};  // >= 2 panels
+    const auto a = random_int8(rng, s.m * s.k, a_min(kern), 127), w = random_int8(rng, s.n * s.k, -128, 127);
     const auto want = reference_matmul(a, w, s);
     std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w"));
     pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
     const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
     const int64_t kp = pw.header.k_padded, nr = pw.layout.nr;
-    std::vector<int32_t> sums(pw.header.n_padded), c(2 * nr);
+    std::vector<int32_t> sums(pw.header.n_padded), c(s.m * 2 * nr);
     load_col_sums(pw, 0, pw.header.n_padded, sums.data());
-    std::vector<uint8_t> apack(static_cast<size_t>(kp) * kern.geometry().a_elem_bytes);
-    const int8_t* row = a.data();
-    kern.pack_a_rows(&row, 1, s.k, kp, apack.data(), apack.size());
+    const size_t stride = static_cast<size_t>(kp) * kern.geometry().a_elem_bytes;
+    std::vector<uint8_t> apack(s.m * stride);
+    const int8_t* rows[kTwoPanelMaxRows];
+    for (int64_t i = 0; i < s.m; ++i) rows[i] = a.data() + i * s.k;
+    kern.pack_a_rows(rows, s.m, s.k, kp, apack.data(), stride);
     for (int64_t p = 0; p + 1 < pw.header.n_padded / nr; ++p, ++pairs) {
-      kern.two_panel_row(apack.data(), pw.panels + p * pw.panel_bytes, pw.panel_bytes, sums.data() + p * nr, pw.layout,
-                         kp, c.data());
-      for (int64_t j = 0; j < 2 * nr && p * nr + j < s.n; ++j)
-        if (c[j] != want[p * nr + j] && mismatches++ < 5)
-          CHECK(false, "%s: two_panel_row N=%" PRId64 " K=%" PRId64 " panel %" PRId64 " column %" PRId64 ": got %d want "
-                "%" PRId64, kern.name, s.n, s.k, p, j, c[j], want[p * nr + j]);
+      kern.two_panel_rows(apack.data(), stride, static_cast<int>(s.m), pw.panels + p * pw.panel_bytes, pw.panel_bytes,
+                          sums.data() + p * nr, pw.layout, kp, c.data());
+      for (int64_t i = 0; i < s.m; ++i)
+        for (int64_t j = 0; j < 2 * nr && p * nr + j < s.n; ++j)
+          if (c[i * 2 * nr + j] != want[i * s.n + p * nr + j] && mismatches++ < 5)
+            CHECK(false, "%s: two_panel_rows M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " row %" PRId64 " panel %" PRId64
+                  " column %" PRId64 ": got %d want %" PRId64, kern.name, s.m, s.n, s.k, i, p, j, c[i * 2 * nr + j],
+                  want[i * s.n + p * nr + j]);
     }
   }
-  std::printf("  %-12s two_panel_row: %" PRId64 " panel pairs, %" PRId64 " mismatches\n", kern.name, pairs, mismatches);
+  std::printf("  %-12s two_panel_rows: %" PRId64 " panel pairs, %" PRId64 " mismatches\n", kern.name, pairs,
+              mismatches);
 }
 
 // Extremes at the largest allowed K: every product +-2^14 must accumulate without int32 overflow.
@@ -322,18 +327,19 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
       mismatches += std::memcmp(&want, &out[i * s.n + j], 4) != 0;
     }
   }
-  // Each row alone (decode: int4_two_panel_row where the variant has it; 77 columns are two pairs of panels and one
-  // more) gives the same bits.
+  // Decode-sized blocks of rows (int4_two_panel_rows where the variant has it; 77 columns are two pairs of panels and
+  // one more) give the same bits: each row alone, and the rows two at a time.
   int64_t row_mismatches = 0;
-  std::vector<float> row_out(s.n);
-  for (int64_t i = 0; i < s.m; ++i) {
-    linear(kern, x.data() + i * s.k, FloatKind::f32, 1, s.k, nullptr, view,
-           {nullptr, w_scale.data(), nullptr, row_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
-           serial_for);
-    row_mismatches += std::memcmp(row_out.data(), out.data() + i * s.n, s.n * 4) != 0;
-  }
-  CHECK(row_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " rows differ when computed alone", kern.name,
-        row_mismatches);
+  std::vector<float> rows_out(kTwoPanelMaxRows * s.n);
+  for (int64_t rows = 1; rows <= kTwoPanelMaxRows; ++rows)
+    for (int64_t i = 0; i + rows <= s.m; i += rows) {
+      linear(kern, x.data() + i * s.k, FloatKind::f32, rows, s.k, nullptr, view,
+             {nullptr, w_scale.data(), nullptr, rows_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
+             serial_for);
+      row_mismatches += std::memcmp(rows_out.data(), out.data() + i * s.n, rows * s.n * 4) != 0;
+    }
+  CHECK(row_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " blocks of 1-%d rows differ when computed alone",
+        kern.name, row_mismatches, kTwoPanelMaxRows);
   const uint64_t got = fnv1a_float(out);
   CHECK(mismatches == 0, "%s: int4 shared vectors: %" PRId64 " outputs differ from the scalar implementation",
         kern.name, mismatches);
@@ -363,6 +369,44 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
 // The causal softmax of attention scores through the kernel (its ISA's copy of activation.h, when it has one) gives the
 // bits of the reference's baseline copy, with the masked tail zeroed, at lengths around the 16 lanes; and it is a
 // softmax: the kept entries sum to 1 within fp32 rounding and follow exp(s - max) / sum within exp_poly's 2e-7.
+// The decode attention of one head in the variant's copy (MicroKernel::attend_one_position): the baseline copy's bits,
+// within 1e-5 of the fp64 attention, NaN out for a NaN or Inf key.
+void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (const int64_t keys : {1, 7, 16, 33, 300})
+    for (const int64_t d : {2, 64, 70, 128}) {
+      std::vector<float> q(d), k(keys * d), v(keys * d), scores(keys), want(d), got(d);
+      for (float& x : q) x = nd(rng);
+      for (float& x : k) x = nd(rng);
+      for (float& x : v) x = nd(rng);
+      const float scale = 1.f / std::sqrt(static_cast<float>(d));
+      attend_one_position(kRefKernel, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), want.data());
+      attend_one_position(kern, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), got.data());
+      CHECK(std::memcmp(want.data(), got.data(), d * 4) == 0, "%s: attend_one_position differs from the reference's "
+            "(keys = %lld, d = %lld)", kern.name, static_cast<long long>(keys), static_cast<long long>(d));
+      std::vector<double> p(keys);
+      double max = -1e300, sum = 0, worst = 0;
+      for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t e = 0; e < d; ++e) p[j] += static_cast<double>(q[e]) * k[j * d + e];
+        p[j] *= scale, max = std::max(max, p[j]);
+      }
+      for (double& x : p) sum += (x = std::exp(x - max));
+      for (int64_t e = 0; e < d; ++e) {
+        double exact = 0;
+        for (int64_t j = 0; j < keys; ++j) exact += p[j] / sum * v[j * d + e];
+        worst = std::max(worst, std::fabs(got[e] - exact));
+      }
+      CHECK(worst < 1e-5, "%s: attend_one_position off by %g from the fp64 attention (keys = %lld, d = %lld)",
+            kern.name, worst, static_cast<long long>(keys), static_cast<long long>(d));
+      k[(keys - 1) * d] = std::numeric_limits<float>::infinity();
+      attend_one_position(kern, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), got.data());
+      CHECK(std::all_of(got.begin(), got.end(), [](float x) { return std::isnan(x); }),
+            "%s: attend_one_position with an Inf key is not NaN (keys = %lld, d = %lld)", kern.name,
+            static_cast<long long>(keys), static_cast<long long>(d));
+    }
+}
+
 void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> score(-30.f, 30.f);
@@ -715,7 +759,7 @@ int run(int argc, char** argv) {
     }
     runnable.push_back(kern);
     test_matmul_sweep(*kern, shapes, seed);
-    test_two_panel_row(*kern, shapes, seed);
+    test_two_panel_rows(*kern, shapes, seed);
     test_extreme_k(*kern);
     test_driver_int8_min(*kern, seed);
     test_quantization(*kern, seed);
@@ -723,6 +767,7 @@ int run(int argc, char** argv) {
     test_int4_shared_vectors(*kern);
     test_silu_mul_bits(*kern, seed);
     test_causal_softmax_bits(*kern, seed);
+    test_attend_one_position_bits(*kern, seed);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
   }
@@ -733,7 +778,9 @@ int run(int argc, char** argv) {
   test_crc32c();
   test_dynamic_for_threads_and_hooks();
   test_driver_identical(runnable, seed, {7, 45, 301});
-  test_driver_identical(runnable, seed, {1, 45, 301});  // decode: two_panel_row where a variant has it (3 panels)
+  // decode: two_panel_rows where a variant has it (3 panels: a pair and one alone)
+  test_driver_identical(runnable, seed, {1, 45, 301});
+  test_driver_identical(runnable, seed, {2, 45, 301});
   g_failures += run_moe_tests(runnable, seed);
   CHECK(!runnable.empty(), "no variant ran");
   std::printf("%s: %zu variants run, %d failures\n", g_failures ? "FAILED" : "OK", runnable.size(), g_failures);

@@ -594,50 +594,66 @@ def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, handles: list) -
             handle.remove()
 
 
-def _output_pair(model: torch.nn.Module, layers: torch.nn.ModuleList,
-                 sample: torch.Tensor) -> Tuple[Optional[_Pair], str]:
+class _OutputPairRecorder:
     """The fold of the final norm into the output layer (names relative to the model), found as the layer pairs are:
-    the norm outside the decoder layers whose output the output layer reads, checked by running the two alone in
-    fp32 with random scales folded in; or None and why not."""
-    get = getattr(model, "get_output_embeddings", None)
-    output = get() if callable(get) else None
-    if not isinstance(output, torch.nn.Linear):
-        return None, "the model's output layer (get_output_embeddings) is not an nn.Linear"
-    modules = dict(model.named_modules())
-    output_name = next((name for name, module in modules.items() if module is output), None)
-    if not output_name:
-        return None, "the model's output layer is not one of its submodules"
-    in_layers = {id(module) for module in layers.modules()}
-    norms = {name: module for name, module in modules.items()
-             if name and _is_norm(module) and id(module) not in in_layers}
-    seen = {}
+    the norm outside the decoder layers whose output the output layer reads (hooks attached for one forward, the
+    pair discovery's when there is one), checked by running the two alone in fp32 with random scales folded in.
+    pair() -> (the pair, "") or (None, why not)."""
 
-    def record_norm(name, module, args, result):
-        if isinstance(result, torch.Tensor) and args:
-            seen.setdefault(name, (args[0], result))
+    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList):
+        self.reason, self.seen = "", {}
+        get = getattr(model, "get_output_embeddings", None)
+        self.output = get() if callable(get) else None
+        if not isinstance(self.output, torch.nn.Linear):
+            self.reason = "the model's output layer (get_output_embeddings) is not an nn.Linear"
+            return
+        self.modules = dict(model.named_modules())
+        self.output_name = next((name for name, module in self.modules.items() if module is self.output), None)
+        if not self.output_name:
+            self.reason = "the model's output layer is not one of its submodules"
+            return
+        in_layers = {id(module) for module in layers.modules()}
+        self.norms = {name: module for name, module in self.modules.items()
+                      if name and _is_norm(module) and id(module) not in in_layers}
 
-    handles = [module.register_forward_hook(partial(record_norm, name)) for name, module in norms.items()]
-    handles.append(output.register_forward_pre_hook(lambda module, args: seen.setdefault(output_name, args[0])))
-    _run_recorded(model, sample, handles)
-    read = seen.get(output_name)
-    producer = next((name for name in norms if name in seen and read is not None and
-                     _same_tensor(seen[name][1], read)), None)
-    if producer is None:
-        return None, f"{output_name} reads no norm's output"
-    if output.in_features != read.shape[-1]:
-        return None, f"{output_name} reads {read.shape[-1]} channels, has {output.in_features} inputs"
-    pair_modules = {producer: modules[producer], output_name: output}
-    with _checked_in_fp32(torch.nn.ModuleList(pair_modules.values())):
-        norm_input = _to_fp32(seen[producer][0])
+    def attach(self) -> list:
+        """Hooks recording the norms' inputs and outputs and the output layer's input (none if there is no output
+        layer to fold into): the caller runs one forward and removes them."""
+        if self.reason:
+            return []
 
-        def run() -> torch.Tensor:
-            return output(modules[producer](norm_input))
-        reference = run()
-        candidates = (_Pair(producer, (output_name,), head_dim=read.shape[-1], norm_offset=offset)
-                      for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
-        pair = _best_fold(candidates, pair_modules, run, reference,
-                          _CHECK_TOLERANCE * reference.abs().max().item(), torch.Generator().manual_seed(0))
-    return (pair, "") if pair else (None, f"no fold into {producer} keeps {output_name}'s output")
+        def record_norm(name, module, args, result):
+            if isinstance(result, torch.Tensor) and args:
+                self.seen.setdefault(name, (args[0], result))
+
+        handles = [module.register_forward_hook(partial(record_norm, name)) for name, module in self.norms.items()]
+        handles.append(self.output.register_forward_pre_hook(
+            lambda module, args: self.seen.setdefault(self.output_name, args[0])))
+        return handles
+
+    def pair(self) -> Tuple[Optional[_Pair], str]:
+        if self.reason:
+            return None, self.reason
+        output, output_name, seen = self.output, self.output_name, self.seen
+        read = seen.get(output_name)
+        producer = next((name for name in self.norms if name in seen and read is not None and
+                         _same_tensor(seen[name][1], read)), None)
+        if producer is None:
+            return None, f"{output_name} reads no norm's output"
+        if output.in_features != read.shape[-1]:
+            return None, f"{output_name} reads {read.shape[-1]} channels, has {output.in_features} inputs"
+        pair_modules = {producer: self.modules[producer], output_name: output}
+        with _checked_in_fp32(torch.nn.ModuleList(pair_modules.values())):
+            norm_input = _to_fp32(seen[producer][0])
+
+            def run() -> torch.Tensor:
+                return output(self.modules[producer](norm_input))
+            reference = run()
+            candidates = (_Pair(producer, (output_name,), head_dim=read.shape[-1], norm_offset=offset)
+                          for offset in (0.0, 1.0))  # weight, or Gemma's 1 + weight
+            pair = _best_fold(candidates, pair_modules, run, reference,
+                              _CHECK_TOLERANCE * reference.abs().max().item(), torch.Generator().manual_seed(0))
+        return (pair, "") if pair else (None, f"no fold into {producer} keeps {output_name}'s output")
 
 
 def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_groups: int,
@@ -657,15 +673,16 @@ def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_gro
                 yield _Pair(producer, (consumer,), groups, head_dim if groups > 1 else width, first_row)
 
 
-def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList,
-                   sample: torch.Tensor) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
+def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList, sample: torch.Tensor,
+                   more_hooks: list) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
     """The pairs that fold exactly, layer by layer, from one forward of sample (module docstring), and the
-    inputs no pair smooths, grouped by reason over the layers."""
+    inputs no pair smooths, grouped by reason over the layers. more_hooks: other recording hooks for that forward
+    (removed after it)."""
     signatures = [_signature(layer) for layer in layers]
     records = {}
     for index, (layer, signature) in enumerate(zip(layers, signatures)):
         records.setdefault(signature, _LayerRecord(index, layer))
-    _run_recorded(model, sample, [handle for record in records.values() for handle in record.attach()])
+    _run_recorded(model, sample, [handle for record in records.values() for handle in record.attach()] + more_hooks)
     kv_groups, head_dim = _attention_heads(model)
     verdicts = {}
     for signature, record in records.items():
@@ -766,11 +783,16 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
     model.eval()
     start = time.perf_counter()
     try:
-        if mappings is None:
-            layer_pairs, not_smoothed = _derived_pairs(model, layers, first_batch[:1, :_DISCOVERY_TOKENS])
+        sample = first_batch[:1, :_DISCOVERY_TOKENS]
+        output_recorder = _OutputPairRecorder(model, layers)
+        if mappings is None:  # the output layer's input recorded in the same forward
+            layer_pairs, not_smoothed = _derived_pairs(model, layers, sample, output_recorder.attach())
         else:
             layer_pairs, not_smoothed = _explicit_pairs(model, layers, mappings), ()
-        output_pair, output_site_missing = _output_pair(model, layers, first_batch[:1, :_DISCOVERY_TOKENS])
+            hooks = output_recorder.attach()
+            if hooks:
+                _run_recorded(model, sample, hooks)
+        output_pair, output_site_missing = output_recorder.pair()
         discovery_seconds = time.perf_counter() - start
         sites = [_Site(index, pair, dict(layers[index].named_modules()))
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]

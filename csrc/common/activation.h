@@ -1,8 +1,9 @@
-// The activations of a decoder layer, one definition each: silu(gate) * up (gated_linear, the fused MoE) and the
-// causal softmax of attention scores (causal_attention), one head's attention at a decode position. `static` (as microkernel.h's helpers): the driver and each
-// ISA-flagged variant TU compile their own copy, which the compiler vectorizes with that TU's ISA (SmolLM2's prefill:
-// 512 x 1536 SiLU elements a layer, 1.0 ms with the baseline ISA, 0.24 ms with AVX-512). Plain IEEE operations in a
-// fixed order, no library call and no FMA (-ffp-contract=off): every copy gives the same bits.
+// The activations of a decoder layer, one definition each: silu(gate) * up (gated_linear, the fused MoE), the causal
+// softmax of attention scores (causal_attention) and one head's attention at a decode position (decode_attention_).
+// `static` (as microkernel.h's helpers): the driver and each ISA-flagged variant TU compile their own copy, which the
+// compiler vectorizes with that TU's ISA (SmolLM2's prefill: 512 x 1536 SiLU elements a layer, 1.0 ms with the
+// baseline ISA, 0.24 ms with AVX-512). Plain IEEE operations in a fixed order, no library call and no FMA
+// (-ffp-contract=off): every copy gives the same bits.
 #pragma once
 
 #include <algorithm>

@@ -276,8 +276,8 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const int64_t panels = h.n_padded / w.layout.nr;
   const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
-  // Decode (m <= kTwoPanelMaxRows, a task per panel): panels two by two where the variant has a two-panel tile for the weight's scheme
-  // (a claim of an even number of panels; an odd last one alone).
+  // Decode (m <= kTwoPanelMaxRows, a task per panel): panels two by two where the variant has a two-panel tile for the
+  // weight's scheme (a claim of an even number of panels; an odd last one alone).
   const bool two_panels = m <= kTwoPanelMaxRows && row_blocks == 1 &&
                           (w.int4() ? kernel.int4_two_panel_rows != nullptr : kernel.two_panel_rows != nullptr);
   // About 2^20 multiply-adds (~15 us) per claim: few claims, yet a slow thread holds up little.

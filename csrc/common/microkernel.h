@@ -107,7 +107,7 @@ struct MicroKernel {
   // nr channels, c[i * 2 nr + nr + j] of the second's, the exact int32 of two `tile` calls (col_sums: both panels',
   // 2 nr); for int4 panels, int4_tile's t likewise. A decode row does little work per weight byte, and two weight
   // streams in flight keep more of the memory system busy than one (avx2 on Zen3: M = 1 at ~80-85% of a streaming
-  // sum's bandwidth panel by panel, ~95-100% two at a time; M = 2 +15-20%).
+  // sum's bandwidth panel by panel, ~90-100% two at a time; M = 2 +15-20%).
   void (*two_panel_rows)(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
                          const int32_t* col_sums, PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
   void (*int4_two_panel_rows)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,

@@ -12,7 +12,7 @@ import torch
 from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
 
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
-_MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow, kMaxHeadDim in csrc/common/layer_ops.h
+_MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHeadDim (microkernel.h)
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

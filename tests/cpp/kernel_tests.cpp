@@ -328,16 +328,27 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
     }
   }
   // Decode-sized blocks of rows (int4_two_panel_rows where the variant has it; 77 columns are two pairs of panels and
-  // one more) give the same bits: each row alone, and the rows two at a time.
+  // one more) give the same bits as the rows in one block: each row alone and the rows two at a time, with minimums
+  // (this blob) and symmetric (the same values packed without them).
+  const WeightFormat symmetric_format{WeightScheme::int4, group_log2};
+  std::vector<uint8_t> symmetric_blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w", symmetric_format));
+  pack_weight_int4(kern, q.data(), s.n, s.k, s.k, scales.data(), nullptr, symmetric_format, symmetric_blob.data(),
+                   serial_for);
+  const PackedWeightView symmetric = view_packed_weight(symmetric_blob.data(), symmetric_blob.size(), "w");
   int64_t row_mismatches = 0;
-  std::vector<float> rows_out(kTwoPanelMaxRows * s.n);
-  for (int64_t rows = 1; rows <= kTwoPanelMaxRows; ++rows)
-    for (int64_t i = 0; i + rows <= s.m; i += rows) {
-      linear(kern, x.data() + i * s.k, FloatKind::f32, rows, s.k, nullptr, view,
-             {nullptr, w_scale.data(), nullptr, rows_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
-             serial_for);
-      row_mismatches += std::memcmp(rows_out.data(), out.data() + i * s.n, rows * s.n * 4) != 0;
-    }
+  std::vector<float> block_out(s.m * s.n), rows_out(kTwoPanelMaxRows * s.n);
+  for (const PackedWeightView* w : {&view, &symmetric}) {
+    linear(kern, x.data(), FloatKind::f32, s.m, s.k, nullptr, *w,
+           {nullptr, w_scale.data(), nullptr, block_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
+           serial_for);
+    for (int64_t rows = 1; rows <= kTwoPanelMaxRows; ++rows)
+      for (int64_t i = 0; i + rows <= s.m; i += rows) {
+        linear(kern, x.data() + i * s.k, FloatKind::f32, rows, s.k, nullptr, *w,
+               {nullptr, w_scale.data(), nullptr, rows_out.data(), FloatKind::f32, s.n}, a_scales.data(),
+               scratch.data(), serial_for);
+        row_mismatches += std::memcmp(rows_out.data(), block_out.data() + i * s.n, rows * s.n * 4) != 0;
+      }
+  }
   CHECK(row_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " blocks of 1-%d rows differ when computed alone",
         kern.name, row_mismatches, kTwoPanelMaxRows);
   const uint64_t got = fnv1a_float(out);
@@ -366,9 +377,6 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
   }
 }
 
-// The causal softmax of attention scores through the kernel (its ISA's copy of activation.h, when it has one) gives the
-// bits of the reference's baseline copy, with the masked tail zeroed, at lengths around the 16 lanes; and it is a
-// softmax: the kept entries sum to 1 within fp32 rounding and follow exp(s - max) / sum within exp_poly's 2e-7.
 // The decode attention of one head in the variant's copy (MicroKernel::attend_one_position): the baseline copy's bits,
 // within 1e-5 of the fp64 attention, NaN out for a NaN or Inf key.
 void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
@@ -407,6 +415,9 @@ void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
     }
 }
 
+// The causal softmax of attention scores through the kernel (its ISA's copy of activation.h, when it has one) gives the
+// bits of the reference's baseline copy, with the masked tail zeroed, at lengths around the 16 lanes; and it is a
+// softmax: the kept entries sum to 1 within fp32 rounding and follow exp(s - max) / sum within exp_poly's 2e-7.
 void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> score(-30.f, 30.f);

@@ -64,17 +64,18 @@ def evaluate_targets(result: dict) -> List[dict]:
         r = time_ratio(case, W4A8)
         return None if r is None else 1.0 / r
 
+    w4a8 = f"W4A8 g{result.get('w4a8_group_size', 32)}"  # bench --w4a8-group-size (32 before the option)
     for shape in ("14336x4096", "4096x4096"):  # W4A8 (issue #21): half the bytes, read at the bandwidth limit
         c = _find(cases, shape, 1)
-        add(f"decode M=1 {shape}: W4A8 time / W8A8 time", w4a8_time(c), 0.6, False)
-        add(f"decode M=1 {shape}: W4A8 bytes read / streaming-read bandwidth",
+        add(f"decode M=1 {shape}: {w4a8} time / W8A8 time", w4a8_time(c), 0.6, False)
+        add(f"decode M=1 {shape}: {w4a8} bytes read / streaming-read bandwidth",
             None if c is None else c.get("w4a8_decode_efficiency"), 0.85, True)
         stacked = c is not None and STACK in c["results"]
-        add(f"decode M=1 {shape}: W4A8 time / W8A8 time, in a layer stack",
+        add(f"decode M=1 {shape}: {w4a8} time / W8A8 time, in a layer stack",
             c["results"][W4A8_STACK]["ms"] / c["results"][STACK]["ms"] if stacked else None, 0.6, False)
-        add(f"decode M=1 {shape}: W4A8 bytes read in a layer stack / streaming-read bandwidth",
+        add(f"decode M=1 {shape}: {w4a8} bytes read in a layer stack / streaming-read bandwidth",
             c["w4a8_stack_decode_efficiency"] if stacked else None, 0.85, True)
-    add("prefill M=512 4096x4096: W4A8 time / W8A8 time", w4a8_time(_find(cases, "4096x4096", 512)), 1.15, False)
+    add(f"prefill M=512 4096x4096: {w4a8} time / W8A8 time", w4a8_time(_find(cases, "4096x4096", 512)), 1.15, False)
     moe = result.get("moe") or []
     for m in (1, 16, 128):
         rows = [c for c in moe if c["m"] == m]

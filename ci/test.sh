@@ -4,9 +4,12 @@
 #   2. native C++ kernel tests (every variant this CPU runs) and pytest; then the same kernel tests and the
 #      bad-input / fuzz pytest subset against an ASan + UBSan build (ci/sanitize.sh);
 #   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv);
-#   4. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
-#   5. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
+#   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
+#   5. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
 #   6. the conda recipe verified offline (render, linux-64 + cross linux-aarch64 packages, install, test).
+# Stages 4-6 run in the background beside 2-3 (each side keeps about one core of a 2-core machine busy: qemu-user
+# and the conda builds on one side, pytest and the sanitizer and wheel builds on the other; ~35 min each on a busy
+# Zen3); their output is printed when they end.
 # Any failure, or a pytest run that collects no tests (exit 5), fails the script.
 # W8A8_CI_SKIP_EMULATION=1 skips stages 4-5 and the aarch64 conda package (quick local runs; CI never sets it).
 set -euo pipefail
@@ -47,6 +50,38 @@ cmake --build build/kernel-tests
 # One ctest per variant (a variant this CPU lacks shows as skipped) and one across all of them.
 ctest --test-dir build/kernel-tests --output-on-failure
 
+emulated_stages() {
+  # aarch64 first: the conda stage's aarch64 package is tested with the emulated python it builds.
+  section "Python tests (emulated aarch64, torch 2.10.0)"
+  bash ci/emulated-python-matrix.sh aarch64
+
+  section "C++ kernel tests (emulated)"
+  # The cpp rows of ci/emulation-matrix.tsv; the runner's whole output (a few lines per variant).
+  while read -r stage arch model variant _; do
+    [ "$stage" = cpp ] || continue
+    echo "--- $arch qemu -cpu $model (expects $variant)"
+    ci/emulate "$arch" --cpu "$model" -- kernel-tests --expect-selected "$variant" </dev/null
+  done < <(grep -v '^#' ci/emulation-matrix.tsv)
+
+  section "conda recipe (offline: render, linux-64 + cross linux-aarch64 build, package, install, test)"
+  # Its aarch64 package is tested with the emulated aarch64 python built above.
+  python3 ci/conda/verify.py --require-aarch64
+
+  section "Python tests (emulated ppc64le, Debian torch 1.13.1)"
+  bash ci/emulated-python-matrix.sh ppc64le
+}
+
+EMULATED_PID=
+if [ "${W8A8_CI_SKIP_EMULATION:-0}" != 1 ]; then
+  EMULATED_LOG=build/ci-emulated.log
+  section "emulated stages (Python aarch64, C++ kernel tests, conda recipe, Python ppc64le) started in the background: $EMULATED_LOG"
+  set -m  # the background job in a process group of its own, killed whole if this script ends first
+  emulated_stages </dev/null >"$EMULATED_LOG" 2>&1 &
+  EMULATED_PID=$!
+  set +m
+  trap '[ -z "$EMULATED_PID" ] || kill -- "-$EMULATED_PID" 2>/dev/null || true' EXIT
+fi
+
 section "pytest (native)"
 python3 -m pytest tests -q -p no:cacheprovider
 
@@ -56,28 +91,19 @@ bash ci/sanitize.sh
 section "wheel: build, auditwheel repair, fresh venv, packaged tests"
 bash ci/wheels/check.sh
 
-if [ "${W8A8_CI_SKIP_EMULATION:-0}" = 1 ]; then
+if [ -z "$EMULATED_PID" ]; then
   section "conda recipe (offline; aarch64 skipped)"
   python3 ci/conda/verify.py --skip-aarch64
   section "emulated stages skipped (W8A8_CI_SKIP_EMULATION=1); done in $((SECONDS - T0))s"
   exit 0
 fi
 
-section "C++ kernel tests (emulated)"
-# The cpp rows of ci/emulation-matrix.tsv; the runner's whole output (a few lines per variant).
-while read -r stage arch model variant _; do
-  [ "$stage" = cpp ] || continue
-  echo "--- $arch qemu -cpu $model (expects $variant)"
-  ci/emulate "$arch" --cpu "$model" -- kernel-tests --expect-selected "$variant" </dev/null
-done < <(grep -v '^#' ci/emulation-matrix.tsv)
-
-section "Python tests (emulated aarch64, torch 2.10.0)"
-bash ci/emulated-python-matrix.sh aarch64
-
-section "Python tests (emulated ppc64le, Debian torch 1.13.1)"
-bash ci/emulated-python-matrix.sh ppc64le
-
-section "conda recipe (offline: render, linux-64 + cross linux-aarch64 build, package, install, test)"
-python3 ci/conda/verify.py --require-aarch64
+section "waiting for the emulated stages and the conda recipe"
+emulated_rc=0
+wait "$EMULATED_PID" || emulated_rc=$?
+EMULATED_PID=
+cat "$EMULATED_LOG"
+section "emulated stages: exit status $emulated_rc"
+[ "$emulated_rc" -eq 0 ]
 
 section "done in $((SECONDS - T0))s"

@@ -96,10 +96,12 @@ def test_linear_script_adds_the_targets_to_each_run(tmp_path):
 
 def test_bench_threads_sweep_busy_and_error_column(tmp_path):
     """--threads 1 2 --busy: one run per thread count under a competing spinning process (killed afterwards), every
-    candidate's error against the fp64 product, ONNX Runtime among the candidates when it is installed."""
+    candidate's error against the fp64 product, ONNX Runtime among the candidates when it is installed; W4A8 in
+    groups of 128 (--w4a8-group-size), its bytes counted as such."""
     out = tmp_path / "sweep.json"
     argv = [*python_command(), "-m", "w8a8_cpu", "bench", "--threads", "1", "2", "--busy", "--shapes", "576x576",
-            "--m", "1", "--no-moe", "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(out)]
+            "--m", "1", "--no-moe", "--reps", "2", "--warmup", "1", "--no-progress", "--json", str(out),
+            "--w4a8-group-size", "128"]
     # In a process group of its own, which the busy process inherits: one that outlives the bench is found by group
     # (not by its command line, which another process on the machine may share) and killed with it.
     bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -121,6 +123,9 @@ def test_bench_threads_sweep_busy_and_error_column(tmp_path):
         (case,) = run["linear"]
         errors = {cand: r["rel_error"] for cand, r in case["results"].items()}
         assert errors["torch fp32"] < 1e-5 and 1e-3 < errors["w8a8_cpu"] < 3e-2, errors
+        # 576 / 128: 4 whole groups and a part; nibbles, a scale per group and channel, a float per channel
+        assert run["w4a8_group_size"] == 128 and errors["w8a8_cpu W4A8"] < 0.15, errors
+        assert case["results"]["w8a8_cpu W4A8"]["weight_bytes"] == 576 * 576 // 2 + 4 * 576 * 5 + 4 * 576
         assert ("onnxruntime rr" in errors) == have_ort
 
 

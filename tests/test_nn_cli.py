@@ -138,6 +138,8 @@ def test_cli_help_and_bad_args():
     assert r.returncode == 2 and "expected a positive integer, got 0" in r.stderr
 
 
+# A child python per case (under qemu each re-imports torch: ~40 s); option parsing does not depend on the arch.
+@pytest.mark.slow_under_emulation
 @pytest.mark.parametrize("argv,env,message", [
     (["check", "--threads", "-1", "--no-bench"], {}, "--threads: expected a positive integer, got -1"),
     (["check", "--threads", "0", "--no-bench"], {}, "--threads: expected a positive integer, got 0"),

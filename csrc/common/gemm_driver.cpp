@@ -202,6 +202,11 @@ void compute_int4_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64
   }
 }
 
+using ScaleTileFn = decltype(MicroKernel::scale_tile);
+
+// The variant's int8 epilogue where it has one, else the shared scale_tile (the same bits).
+ScaleTileFn scale_tile_of(const MicroKernel& kernel) { return kernel.scale_tile ? kernel.scale_tile : scale_tile; }
+
 }  // namespace
 
 void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
@@ -214,11 +219,12 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   load_col_sums(w, panel * nr, nr, sums);
   const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, w.header.n - n0);
   const int mr = kernel.geometry().mr;
+  const ScaleTileFn scale = scale_tile_of(kernel);
   int32_t c[kMaxTileInt32];
   for (int64_t r = r0; r < r1; r += mr) {
     const int rows = static_cast<int>(std::min<int64_t>(mr, r1 - r));
     kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
-    (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c, rows, nr, r, n0, cols, o);
+    scale(c, rows, nr, r, n0, cols, o);
   }
 }
 
@@ -238,8 +244,8 @@ void compute_two_panels(const MicroKernel& kernel, const uint8_t* a_packed, int6
   } else {
     int32_t sums[2 * kMaxPanelWidth];
     load_col_sums(w, panel * nr, 2 * nr, sums);
-    kernel.two_panel_rows(a_packed, static_cast<size_t>(a_stride), m, w.panels + panel * w.panel_bytes, w.panel_bytes,
-                          sums, w.layout, w.header.k_padded, c);
+    kernel.two_panel_rows(a_packed, static_cast<size_t>(a_stride), m, reinterpret_cast<const int8_t*>(panels),
+                          w.panel_bytes, sums, w.layout, w.header.k_padded, c);
   }
   for (int i = 0; i < m; ++i)
     for (int half = 0; half < 2; ++half) {
@@ -248,7 +254,7 @@ void compute_two_panels(const MicroKernel& kernel, const uint8_t* a_packed, int6
       if (w.int4())
         scale_row(t + at, i, n0, cols, o);
       else
-        (kernel.scale_tile ? kernel.scale_tile : scale_tile)(c + at, 1, nr, i, n0, cols, o);
+        scale_tile_of(kernel)(c + at, 1, nr, i, n0, cols, o);
     }
 }
 

@@ -42,11 +42,13 @@ void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t pane
     for (int h = 0; h < 2 * P; ++h) acc[i][h] = _mm256_setzero_si256();
   for (int64_t k = 0, offset = 0; k < k_padded; k += 4, offset += kNr * 4) {
     __m256i w[2 * P], u[2 * P];
+    // Into L2, kX86PrefetchBytes ahead in each panel's stream (why and how far: x86_common.h); past a panel's end,
+    // the stream goes on in the same panel of the next P (the driver's next call), not in this call's next panel.
+    const int64_t ahead = kX86PrefetchBytes + (offset + kX86PrefetchBytes >= panel_bytes ? (P - 1) * panel_bytes : 0);
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {
       const int8_t* b = panel + p * panel_bytes + offset;
-      // Into L2, kX86PrefetchBytes ahead (why and how far: x86_common.h).
-      _mm_prefetch(reinterpret_cast<const char*>(b + kX86PrefetchBytes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(b + ahead), _MM_HINT_T1);
       w[2 * p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
       w[2 * p + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
       u[2 * p] = _mm256_abs_epi8(w[2 * p]), u[2 * p + 1] = _mm256_abs_epi8(w[2 * p + 1]);

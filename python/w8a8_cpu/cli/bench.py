@@ -11,7 +11,8 @@ Linear candidates (fp32 activations unless noted; weights made once per shape):
   torch bf16      x @ w.t() with bf16 x, w
   torch.ao int8   torch.ao.quantization.quantize_dynamic nn.Linear (engine: x86/fbgemm on x86, qnnpack on Arm)
   torch int8 wo   torch._weight_int8pack_mm(x bf16 [M, K], w int8 [N, K], scales bf16 [N]): weight-only int8
-  w8a8_cpu W4A8   w8a8_cpu.nn.W4A8Linear: int4 weights in symmetric groups of 32 (half the weight bytes), the same op
+  w8a8_cpu W4A8   w8a8_cpu.nn.W4A8Linear: int4 weights in symmetric groups of 32 (--w4a8-group-size: 32, 64 or 128;
+                  ~half the weight bytes), the same op
 Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
 and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The streaming-read reference is
 torch.sum over a 256 MiB float32 tensor: best of a few before and after the cases (printed), and in every decode
@@ -69,7 +70,7 @@ def phase_of(m: int) -> str:
 OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
 ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
-W4A8, W4A8_GROUP = "w8a8_cpu W4A8", 32
+W4A8, W4A8_GROUPS = "w8a8_cpu W4A8", (32, 64, 128)
 BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT, W4A8)
 READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
 # Decode cases also time ours as a model's decode runs its layers: distinct copies of the layer (STACK_MIB of int8
@@ -159,19 +160,21 @@ def relative_error(got, ideal: torch.Tensor) -> float:
     return ((got - ideal).norm() / ideal.norm()).item()
 
 
-def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, str], stack_mib: int):
-    """Builds every linear candidate for one [N, K] weight. Returns (make(m) -> ({name: fn}, {name: relative error
-    vs the fp64 product}), weight bytes, the layer copies of each decode stack)."""
+def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, str], stack_mib: int,
+                      w4a8_group: int):
+    """Builds every linear candidate for one [N, K] weight (W4A8 in symmetric groups of w4a8_group). Returns
+    (make(m) -> ({name: fn}, {name: relative error vs the fp64 product}), weight bytes, the layer copies of each
+    decode stack)."""
     linear = torch.nn.Linear(k, n, bias=False)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
     w = linear.weight.detach()
     ours = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
-    int4 = w8a8_cpu.nn.W4A8Linear.from_linear(linear, group_size=W4A8_GROUP)
+    int4 = w8a8_cpu.nn.W4A8Linear.from_linear(linear, group_size=w4a8_group)
     w_bf16 = w.to(torch.bfloat16)
     weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n,
                     ORT_RR: n * k + 4 * n, ORT: n * k + 4 * n,
-                    W4A8: n * k // 2 + 4 * n * -(-k // W4A8_GROUP) + 4 * n}
+                    W4A8: n * k // 2 + 4 * n * -(-k // w4a8_group) + 4 * n}
     weight_bytes.update({STACK: weight_bytes[OURS], W4A8_STACK: weight_bytes[W4A8]})
     copies = max(2, -(-(stack_mib << 20) // (n * k))) if stack_mib else 1
     stacks = {STACK: [ours] + [copy.deepcopy(ours) for _ in range(copies - 1)],
@@ -418,6 +421,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{', '.join(map(str, ALL_M))}")
     parser.add_argument("--reps", type=positive_int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2)")
+    parser.add_argument("--w4a8-group-size", type=int, choices=W4A8_GROUPS, default=W4A8_GROUPS[0],
+                        help="the W4A8 candidate's group along K (default 32: 0.625 weight bytes per weight of W8A8's "
+                        "1 with its fp32 scales; 128: 0.53)")
     parser.add_argument("--no-moe", action="store_true", help="skip the fused MoE cases")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear cases")
     parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
@@ -511,7 +517,7 @@ def run_once(args, plan: Plan) -> dict:
     print(f"w8a8-cpu {w8a8_cpu.__version__} bench: variant {info['selected_variant']} ({info['arch']}), "
           f"torch {torch.__version__}, {threads} threads, torch.ao engine {engine}")
     print(f"  median of {reps} interleaved repetitions after {warmup} warm-up call(s) per candidate; "
-          f"speedup = baseline time / w8a8_cpu time")
+          f"speedup = baseline time / w8a8_cpu time; W4A8: symmetric int4 in groups of {args.w4a8_group_size}")
     progress = Progress(len(plan.linear_shapes) * len(plan.ms) + len(plan.moe_cases) + 3,
                         enabled=not args.no_progress)
     bw_mib = 64 if args.quick else 256
@@ -522,14 +528,15 @@ def run_once(args, plan: Plan) -> dict:
     gen = torch.Generator().manual_seed(0)
     errors: Dict[str, str] = {}
     result = {"version": w8a8_cpu.__version__, "info": info, "threads": threads, "torch_ao_engine": engine,
-              "reps": reps, "warmup": warmup, "quick": bool(args.quick), "linear": [], "moe": [],
+              "reps": reps, "warmup": warmup, "quick": bool(args.quick), "w4a8_group_size": args.w4a8_group_size,
+              "linear": [], "moe": [],
               "read_bandwidth_method": f"best of torch.sum over a {bw_mib} MiB float32 tensor"}
     linear_out: List[tuple] = []
     has_decode = any(phase_of(m) == "decode" for m in plan.ms)
     stack_mib = (QUICK_STACK_MIB if args.quick else STACK_MIB) if has_decode else 0  # no decode case, no stack
     for shape in plan.linear_shapes:
         n, k = SHAPES[shape]
-        make, weight_bytes, copies = linear_candidates(n, k, gen, errors, stack_mib)
+        make, weight_bytes, copies = linear_candidates(n, k, gen, errors, stack_mib, args.w4a8_group_size)
         for m in plan.ms:
             progress.step(f"linear {shape} M={m}")
             candidates, rel_errors = make(m)

@@ -583,11 +583,15 @@ def _best_fold(candidates: Iterable[_Pair], modules: dict, run: Callable[[], tor
     return pair if change <= bound else None
 
 
-def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, handles: list) -> None:
-    """One forward of the model on sample with the recording hooks `handles`, removed after. Without a KV cache:
-    running a layer again must not append to the cache its recorded call holds."""
+def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, attachers: Iterable[Callable[[], list]]) -> None:
+    """One forward of the model on sample with the recording hooks that each of `attachers` attaches (returning
+    their handles), all removed after, also when attaching fails. Without a KV cache: running a layer again must not
+    append to the cache its recorded call holds."""
     no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    handles = []
     try:
+        for attach in attachers:
+            handles += attach()
         model(sample, **no_cache)
     finally:
         for handle in handles:
@@ -618,7 +622,7 @@ class _OutputPairRecorder:
 
     def attach(self) -> list:
         """Hooks recording the norms' inputs and outputs and the output layer's input (none if there is no output
-        layer to fold into): the caller runs one forward and removes them."""
+        layer to fold into, `reason`): the caller runs one forward and removes them."""
         if self.reason:
             return []
 
@@ -674,15 +678,15 @@ def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_gro
 
 
 def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList, sample: torch.Tensor,
-                   more_hooks: list) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
+                   more_attachers: List[Callable[[], list]]) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
     """The pairs that fold exactly, layer by layer, from one forward of sample (module docstring), and the
-    inputs no pair smooths, grouped by reason over the layers. more_hooks: other recording hooks for that forward
-    (removed after it)."""
+    inputs no pair smooths, grouped by reason over the layers. more_attachers: other recording hooks for that forward
+    (_run_recorded's attachers)."""
     signatures = [_signature(layer) for layer in layers]
     records = {}
     for index, (layer, signature) in enumerate(zip(layers, signatures)):
         records.setdefault(signature, _LayerRecord(index, layer))
-    _run_recorded(model, sample, [handle for record in records.values() for handle in record.attach()] + more_hooks)
+    _run_recorded(model, sample, [record.attach for record in records.values()] + more_attachers)
     kv_groups, head_dim = _attention_heads(model)
     verdicts = {}
     for signature, record in records.items():
@@ -786,12 +790,11 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
         sample = first_batch[:1, :_DISCOVERY_TOKENS]
         output_recorder = _OutputPairRecorder(model, layers)
         if mappings is None:  # the output layer's input recorded in the same forward
-            layer_pairs, not_smoothed = _derived_pairs(model, layers, sample, output_recorder.attach())
+            layer_pairs, not_smoothed = _derived_pairs(model, layers, sample, [output_recorder.attach])
         else:
             layer_pairs, not_smoothed = _explicit_pairs(model, layers, mappings), ()
-            hooks = output_recorder.attach()
-            if hooks:
-                _run_recorded(model, sample, hooks)
+            if not output_recorder.reason:  # a forward only where there is an output layer to fold into
+                _run_recorded(model, sample, [output_recorder.attach])
         output_pair, output_site_missing = output_recorder.pair()
         discovery_seconds = time.perf_counter() - start
         sites = [_Site(index, pair, dict(layers[index].named_modules()))

@@ -2,10 +2,9 @@
 # ci/emulated-python-matrix.sh [ARCH] - the Python-level emulated test stage.
 #
 # For each (qemu CPU model, expected variant) of ARCH, via ci/emulate-python (which builds and caches the
-# target rootfs, wheels and the cross-built op library under build/emulated-ARCH/ on first use):
-#   1. dispatch check: w8a8_cpu.info()["selected_variant"] must be the expected variant, and that variant
-#      must be compiled into the build (a build without it fails; it never passes silently);
-#   2. the pytest subset below.
+# target rootfs, wheels and the cross-built op library under build/emulated-ARCH/ on first use): the pytest subset
+# below, with its dispatch check: w8a8_cpu.info()["selected_variant"] must be the expected variant, and that variant
+# must be compiled into the build (a build without it fails; it never passes silently).
 # Each stage is reported on its own with its wall time; a crash by signal (SIGILL: exit 132) is named.
 # Exit status: non-zero if any stage failed.
 #
@@ -42,8 +41,10 @@ fi
 # as `lite` does.
 FULL_ARGS=(tests -m "not slow_under_emulation"
            -k "not test_isa_env and not test_cli_ and not test_help_documents_both_commands and not test_refuses_ops_defined_elsewhere")
+SMOKE_K="quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input"
+SMOKE_K+=" or int4_linear_is_exact or selected_variant_is_the_expected_one"
 SMOKE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py tests/test_w4a8.py -m "not slow_under_emulation"
-            -k "quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input or int4_linear_is_exact")
+            -k "$SMOKE_K")
 LITE_ARGS=(tests/test_ops.py tests/test_moe.py tests/test_bad_input.py tests/test_nn_cli.py tests/test_w4a8.py -m "not slow_under_emulation"
            -k "not test_isa_env and not test_cli_ and not 200- and not 256-64-8")
 if [ -n "${W8A8_EMU_PYTEST_ARGS:-}" ]; then
@@ -90,20 +91,12 @@ for entry in "${MATRIX[@]}"; do
     lite) PYTEST_ARGS=("${LITE_ARGS[@]}") ;;
     *) PYTEST_ARGS=("${SMOKE_ARGS[@]}") ;;
   esac
-  # python -c exits 1 on an assertion, 128+n (132: SIGILL) when qemu kills it; children of the emulated
-  # python report a signal as -n (-4: SIGILL), which pytest shows in its failure output.
-  stage "$model: selected_variant == $expected" \
-    bash ci/emulate-python "$ARCH" "$model" python -c "
-import w8a8_cpu
-info = w8a8_cpu.info()
-print(info)
-expected = '$expected'
-assert expected in info['compiled_variants'], (
-    f'variant {expected!r} is not compiled into this build (compiled: {info[\"compiled_variants\"]})')
-assert info['selected_variant'] == expected, (
-    f'qemu -cpu $model: selected {info[\"selected_variant\"]!r}, expected {expected!r}')
-"
-  stage "$model: pytest ($selection)" \
+  # One emulated python per model (its torch import costs 15-50 s): the dispatch check is a test of the subset
+  # (tests/test_ops.py::test_selected_variant_is_the_expected_one, run when W8A8_CPU_EXPECT_SELECTED is set). A crash
+  # kills pytest (128+n, 132: SIGILL); children of the emulated python report a signal as -n (-4: SIGILL), which
+  # pytest shows in its failure output.
+  stage "$model: pytest ($selection; selected variant == $expected)" \
+    env W8A8_CPU_EXPECT_SELECTED="$expected" \
     bash ci/emulate-python "$ARCH" "$model" python -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}"
 done
 

@@ -7,9 +7,9 @@
 #   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
 #   5. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
 #   6. the conda recipe verified offline (render, linux-64 + cross linux-aarch64 packages, install, test).
-# Stages 4-6 run in the background beside 2-3 (each side keeps about one core of a 2-core machine busy: qemu-user
-# and the conda builds on one side, pytest and the sanitizer and wheel builds on the other; ~35 min each on a busy
-# Zen3); their output is printed when they end.
+# Stages 4 and 6 run in the background beside 2, 3 and 5 (each side keeps about one core of a 2-core machine busy:
+# qemu-user and the conda builds on one side, pytest, the sanitizer and wheel builds and the emulated C++ tests on
+# the other; ~37 min each on a busy Zen3); their output is printed when they end.
 # Any failure, or a pytest run that collects no tests (exit 5), fails the script.
 # W8A8_CI_SKIP_EMULATION=1 skips stages 4-5 and the aarch64 conda package (quick local runs; CI never sets it).
 set -euo pipefail
@@ -55,14 +55,6 @@ emulated_stages() {
   section "Python tests (emulated aarch64, torch 2.10.0)"
   bash ci/emulated-python-matrix.sh aarch64
 
-  section "C++ kernel tests (emulated)"
-  # The cpp rows of ci/emulation-matrix.tsv; the runner's whole output (a few lines per variant).
-  while read -r stage arch model variant _; do
-    [ "$stage" = cpp ] || continue
-    echo "--- $arch qemu -cpu $model (expects $variant)"
-    ci/emulate "$arch" --cpu "$model" -- kernel-tests --expect-selected "$variant" </dev/null
-  done < <(grep -v '^#' ci/emulation-matrix.tsv)
-
   section "conda recipe (offline: render, linux-64 + cross linux-aarch64 build, package, install, test)"
   # Its aarch64 package is tested with the emulated aarch64 python built above.
   python3 ci/conda/verify.py --require-aarch64
@@ -74,7 +66,8 @@ emulated_stages() {
 EMULATED_PID=
 if [ "${W8A8_CI_SKIP_EMULATION:-0}" != 1 ]; then
   EMULATED_LOG=build/ci-emulated.log
-  section "emulated stages (Python aarch64, C++ kernel tests, conda recipe, Python ppc64le) started in the background: $EMULATED_LOG"
+  section "in the background: Python tests (emulated aarch64), conda recipe, Python tests (emulated ppc64le);" \
+          "output in $EMULATED_LOG"
   set -m  # the background job in a process group of its own, killed whole if this script ends first
   emulated_stages </dev/null >"$EMULATED_LOG" 2>&1 &
   EMULATED_PID=$!
@@ -97,6 +90,14 @@ if [ -z "$EMULATED_PID" ]; then
   section "emulated stages skipped (W8A8_CI_SKIP_EMULATION=1); done in $((SECONDS - T0))s"
   exit 0
 fi
+
+section "C++ kernel tests (emulated)"
+# The cpp rows of ci/emulation-matrix.tsv; the runner's whole output (a few lines per variant).
+while read -r stage arch model variant _; do
+  [ "$stage" = cpp ] || continue
+  echo "--- $arch qemu -cpu $model (expects $variant)"
+  ci/emulate "$arch" --cpu "$model" -- kernel-tests --expect-selected "$variant" </dev/null
+done < <(grep -v '^#' ci/emulation-matrix.tsv)
 
 section "waiting for the emulated stages and the conda recipe"
 emulated_rc=0

@@ -276,3 +276,66 @@ def test_tiny_llama_engines_without_the_peer(monkeypatch):
     assert all(len(r["tokens"]) == 6 and r["prefill_s"] > 0 for r in run["engines"].values())
     assert "decode_vs_ctranslate2" not in run["engines"][bench_llm.FP32]
     assert bench_llm.format_table(run, 6, unavailable)[-1].split() == ["llama.cpp*", "75.0", "x1.00"]
+
+
+# --------------------------------------------------------------------------------------------------- llama.cpp peer
+
+FAKE_QUANTIZE = """#!{python}
+import shutil, sys
+assert sys.argv[1:2] == ["--allow-requantize"] and sys.argv[4] == "Q8_0", sys.argv
+shutil.copyfile(sys.argv[2], sys.argv[3])
+"""
+# llama-bench -m F -t T -p 512 -n 64 -pg 41,64 -r R -o json: a test per (n_prompt, n_gen), samples in ns; the times
+# scale with the thread count so that each run's numbers are its own
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+t, p, n, r = int(a["-t"]), int(a["-p"]), int(a["-n"]), int(a["-r"])
+prompt = int(a["-pg"].split(",")[0])
+tests = [(p, 0, 2.0), (0, n, 0.8), (prompt, n, 1.0)]
+print(json.dumps([{{"n_prompt": np, "n_gen": ng, "samples_ns": [s * 1e9 / t] * (r - 1) + [99e9]}}
+                  for np, ng, s in tests]))
+"""
+
+
+def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cache, capsys):
+    """benchmarks/llama_cpp_peer.py with stand-in llama-quantize / llama-bench: the Q8_0 file made once into the cache,
+    llama-bench's medians turned into bench llm's decode (prompt prefill included), generation and prefill, and the
+    ratios of a bench llm JSON's rows to them."""
+    if not smollm2.available():
+        pytest.skip(smollm2.INSTALL_HINT)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import llama_cpp_peer
+    finally:
+        sys.path.pop(0)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("llama-quantize", FAKE_QUANTIZE), ("llama-bench", FAKE_LLAMA_BENCH)):
+        (bin_dir / name).write_text(text.format(python=sys.executable))
+        (bin_dir / name).chmod(0o755)
+    ours = tmp_path / "ours.json"
+    engines = {bench_llm.FAST: {"decode_tokens_per_s": 128.0, "prefill_s": 1.0},
+               bench_llm.CT2: {"decode_tokens_per_s": 32.0, "prefill_s": 4.0}}
+    ours.write_text(json.dumps({"prompt_tokens": 41, "new_tokens": 64, "prefill_tokens": 512,
+                                "runs": [{"threads": 1, "engines": engines}, {"threads": 2, "engines": engines}]}))
+    out = tmp_path / "llama.json"
+    argv = ["--bin", str(bin_dir), "--threads", "1", "2", "--rounds", "3", "--ours", str(ours), "--json", str(out)]
+    assert llama_cpp_peer.main(argv) == 0
+    result = json.loads(out.read_text())
+    made = sorted((cache / "llama.cpp").glob("*.Q8_0.gguf"))
+    assert len(made) == 1 and made[0].read_bytes() == smollm2.gguf_path().read_bytes()
+    assert (result["prompt_tokens"], result["new_tokens"], result["prefill_tokens"]) == (41, 64, 512)
+    for run, threads in zip(result["runs"], (1, 2)):
+        peer = run["llama.cpp Q8_0"]
+        # medians: the one slow sample of each test is ignored
+        assert peer["decode_tokens_per_s"] == pytest.approx(64 * threads)
+        assert peer["generation_tokens_per_s"] == pytest.approx(80 * threads)
+        assert peer["prefill_s"] == pytest.approx(2.0 / threads)
+        assert run[bench_llm.FAST]["decode_vs_llama_cpp"] == pytest.approx(2.0 / threads)
+        assert run[bench_llm.FAST]["prefill_vs_llama_cpp"] == pytest.approx(2.0 / threads)
+        assert run[bench_llm.CT2]["decode_vs_llama_cpp"] == pytest.approx(0.5 / threads)
+    printed = capsys.readouterr().out
+    assert "llama.cpp Q8_0" in printed and "faster than llama.cpp" in printed
+    assert llama_cpp_peer.main(["--bin", str(tmp_path)]) == 2  # no llama-bench there: one line, exit 2
+    assert "no executable llama-bench" in capsys.readouterr().err

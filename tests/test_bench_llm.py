@@ -324,7 +324,7 @@ def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cach
     assert llama_cpp_peer.main(argv) == 0
     result = json.loads(out.read_text())
     made = sorted((cache / "llama.cpp").glob("*.Q8_0.gguf"))
-    assert len(made) == 1 and made[0].read_bytes() == smollm2.gguf_path().read_bytes()
+    assert len(made) == 1 and made[0].stat().st_size == smollm2.gguf_path().stat().st_size  # the stand-in copies
     assert (result["prompt_tokens"], result["new_tokens"], result["prefill_tokens"]) == (41, 64, 512)
     for run, threads in zip(result["runs"], (1, 2)):
         peer = run["llama.cpp Q8_0"]
@@ -339,3 +339,6 @@ def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cach
     assert "llama.cpp Q8_0" in printed and "faster than llama.cpp" in printed
     assert llama_cpp_peer.main(["--bin", str(tmp_path)]) == 2  # no llama-bench there: one line, exit 2
     assert "no executable llama-bench" in capsys.readouterr().err
+    ours.write_text(json.dumps({"runs": []}))  # a file that is no bench llm result: one line, exit 2
+    assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
+    assert "--ours" in capsys.readouterr().err

@@ -80,13 +80,6 @@ def llama_bench(bench: Path, model: Path, threads: int, lengths: Dict[str, int],
             "prefill_s": seconds[(prefill, 0)]}
 
 
-def ours_by_threads(path: Optional[str]) -> Dict[int, dict]:
-    if not path:
-        return {}
-    result = json.loads(Path(path).read_text())
-    return {run["threads"]: run["engines"] for run in result["runs"]}
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/llama_cpp_peer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bin", required=True, type=Path, help="a llama.cpp build's bin folder")
@@ -100,12 +93,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"llama_cpp_peer.py: {e}", file=sys.stderr)
         return 2
-    ours, lengths = {}, None
+    ours: Dict[int, dict] = {}  # threads -> bench llm's rows
     if args.ours:
         try:
-            ours = ours_by_threads(args.ours)
-            first = json.loads(Path(args.ours).read_text())
-            lengths = {key: int(first[key]) for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
+            result = json.loads(Path(args.ours).read_text())
+            ours = {run["threads"]: run["engines"] for run in result["runs"]}
+            lengths = {key: int(result[key]) for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
         except (ValueError, TypeError, OSError, KeyError) as e:  # json.JSONDecodeError is a ValueError
             print(f"llama_cpp_peer.py: --ours {args.ours}: not a bench llm --json result ({type(e).__name__}: {e})",
                   file=sys.stderr)

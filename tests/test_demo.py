@@ -81,3 +81,41 @@ def test_help_documents_both_commands():
     for fragment in ("llm", "SmolLM2", "+1.5%", "demo", "check", "--shape", "--no-bench", "all-MiniLM-L6-v2",
                      "W8A8_CPU_ISA", "0.99"):
         assert fragment in r.stdout, fragment
+
+
+def _minilm_w4a8(*args, timeout=600):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([*python_command(), os.path.join(root, "benchmarks", "minilm_w4a8.py"), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+
+
+@pytest.mark.slow_under_emulation
+def test_minilm_w4a8_benchmark_rows(tmp_path):
+    """benchmarks/minilm_w4a8.py calibrated on the sentences of the package's Apache-2.0 text: every row, GPTQ closer
+    to fp32 than round-to-nearest for both int4 forms, W8A8 closest."""
+    _require_demo_extra()
+    from importlib.resources import files
+
+    text = files("w8a8_cpu.llm").joinpath("data", "calibration.txt")
+    r = _minilm_w4a8("--text", str(text), "--json", str(tmp_path / "rows.json"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GPTQ calibrated on 32 sentences" in r.stdout, r.stdout
+    result = json.loads((tmp_path / "rows.json").read_text())
+    rows = result["rows"]
+    assert result["calibration_sentences"] == 32 and list(rows) == [
+        "W8A8", "W4A8 g32 sym, RTN", "W4A8 g32 sym, GPTQ", "W4A8 g32 zero point, RTN", "W4A8 g32 zero point, GPTQ"]
+    for form in ("sym", "zero point"):
+        assert rows[f"W4A8 g32 {form}, GPTQ"]["cosine_mean"] > rows[f"W4A8 g32 {form}, RTN"]["cosine_mean"], rows
+    assert all(0.9 < row["cosine_min"] <= row["cosine_mean"] < rows["W8A8"]["cosine_mean"] <= 1.0
+               for name, row in rows.items() if name != "W8A8")
+
+
+def test_minilm_w4a8_benchmark_bad_text_exits_2(tmp_path):
+    if not demo.available():  # the extra is checked first: without it, that is the message
+        assert _minilm_w4a8("--text", str(tmp_path / "none.txt")).returncode == 2
+        return
+    (tmp_path / "short.txt").write_text("Too short. Also short!")
+    for path, message in ((tmp_path / "none.txt", "--text: [Errno 2]"), (tmp_path / "short.txt", "no sentence of")):
+        r = _minilm_w4a8("--text", str(path), timeout=120)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

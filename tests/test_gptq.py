@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import w8a8_cpu
-from w8a8_cpu import reference
+from w8a8_cpu import _functions, reference
 from w8a8_cpu._functions import _Int4Grid
 from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
 
@@ -73,7 +73,8 @@ def test_gptq_layer_runs_the_int4_values_it_holds(gen):
 def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(gen, form):
     """A diagonal H has no cross terms: no error moves between columns, so GPTQ rounds each group to nearest on the
     grid its range search picks (weighted by the dampened diagonal), which is round-to-nearest's grid or a clipped one
-    with less weighted error."""
+    with less weighted error. Each row's scales are then refitted to those codes: with no cross terms, each group's
+    weighted least-squares scale, kept where it lowers the row's error."""
     symmetric, min_max = FORMS[form]
     w = torch.randn(24, 100, generator=gen)
     w[:, 3] *= 6  # an outlier column: clipping it pays where its input is small
@@ -91,13 +92,29 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
         q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max,
                                                           hessian=torch.diag(diagonal))
         assert torch.equal(q, want_q.to(torch.int8)), (form, group_size)
-        assert torch.equal(scale, torch.cat([grid.scale for grid in grids], 1)), (form, group_size)
+
+        def error(g, s, grid):  # each row's weighted error in group g at scales s [24, 1] on grid's codes
+            codes = grid.quantize(padded[:, g]) - grid.shift
+            return (s * codes + grid.origin - padded[:, g]).double().square().mul(importance[g]).sum(1)
+
+        grid_scale = torch.cat([grid.scale for grid in grids], 1)
+        fitted = torch.cat([(codes * (padded[:, g] - grid.origin) * importance[g]).sum(1, keepdim=True)
+                            / (codes.square() * importance[g]).sum(1, keepdim=True)
+                            for g, grid in enumerate(grids) for codes in [grid.quantize(padded[:, g]) - grid.shift]], 1)
+        refitted = ~torch.isclose(scale, grid_scale, rtol=1e-6, atol=0).all(1)
+        assert 0 < int(refitted.sum()), (form, group_size)  # most rows: the searched grid's scale is not the best
+        torch.testing.assert_close(scale[refitted], fitted[refitted], rtol=1e-4, atol=0)
+        assert torch.equal(scale[~refitted], grid_scale[~refitted])
+        before = sum(error(g, grid.scale, grid) for g, grid in enumerate(grids))
+        after = sum(error(g, scale[:, g:g + 1], grid) for g, grid in enumerate(grids))
+        assert (after <= before).all() and (after[refitted] < before[refitted]).all(), (form, group_size)
+        torch.testing.assert_close(minimum if minimum is not None else torch.zeros_like(scale),
+                                   torch.cat([grid.origin for grid in grids], 1) - torch.cat(
+                                       [grid.shift for grid in grids], 1) * scale)
         rtn = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max)
         for g, grid in enumerate(grids):  # never worse than round-to-nearest's grid, by the weighted error
-            def error(gr):
-                return (gr.scale * gr.quantize(padded[:, g]) + gr.minimum() - padded[:, g]).square().mul(
-                    importance[g]).sum(1)
-            assert (error(grid) <= error(_Int4Grid.of(padded[:, g], symmetric, min_max))).all(), (form, group_size)
+            rtn_grid = _Int4Grid.of(padded[:, g], symmetric, min_max)
+            assert (error(g, grid.scale, grid) <= error(g, rtn_grid.scale, rtn_grid)).all(), (form, group_size)
         assert not torch.equal(rtn[1], scale), (form, group_size)  # the outlier groups were clipped
 
 
@@ -123,6 +140,16 @@ def test_gptq_tolerates_dead_inputs_and_per_channel_groups(gen):
         assert q.shape == (16, 96) and scale.shape == (16, 96 // (group_size or 96))
         rtn_q = w8a8_cpu.quantize_weight_int4(w, group_size, False)[0]
         assert not torch.equal(q, rtn_q)
+
+
+def test_scale_refit_gives_the_same_scales_in_row_chunks(gen, monkeypatch):
+    x = correlated_inputs(gen, 300, 96)
+    w = torch.randn(40, 96, generator=gen)
+    whole = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
+    monkeypatch.setattr(_functions, "REFIT_BYTES", 1)  # one row at a time
+    chunked = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
 
 
 def test_bad_calibration_is_refused_naming_it(gen):

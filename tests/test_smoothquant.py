@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant  # noqa: E402
+from w8a8_cpu.llm.smoothquant import _run_recorded, calibrate_smoothing, smooth_quant  # noqa: E402
 from w8a8_cpu.nn import quantize_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -346,3 +346,18 @@ def test_an_embedding_that_computes_more_than_a_lookup_is_refused():
     statistics = calibrate_smoothing(model, token_ids(seed=1))
     with pytest.raises(ValueError, match="output_alpha: the output layer is tied to Gemma3TextScaledWordEmbedding"):
         smooth_quant(copy.deepcopy(model), statistics=statistics, output_alpha=0.3)
+
+
+def test_recording_hooks_are_removed_when_attaching_fails_partway():
+    """An attacher appends each hook as it makes it: one that fails after its first hook leaves none behind."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+
+    def attach_two_then_fail(handles):
+        handles.append(model[0].register_forward_hook(lambda *args: None))
+        handles.append(model[1].register_forward_pre_hook(lambda *args: None))
+        raise RuntimeError("attach failed")
+
+    with pytest.raises(RuntimeError, match="attach failed"):
+        _run_recorded(model, torch.randn(2, 8), [lambda handles: handles.append(
+            model[1].register_forward_hook(lambda *args: None)), attach_two_then_fail])
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -488,8 +488,8 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     """GPTQ (Frantar et al., 2023) on fp32 w [N, K_padded] (K padded to whole groups with zeros) with the inputs'
     second moment hessian fp64 [K, K]: columns left to right, each rounded on its group's grid, its rounding error
     spread over the columns not yet rounded through the upper Cholesky factor of H^-1, in blocks of >= 128 columns
-    (lazy batch updates). Each group's grid is fixed when its first column comes, from the error-updated weights.
-    -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
+    (lazy batch updates). Each group's grid is fixed when its first column comes, from the error-updated weights;
+    the scales are refitted to the codes at the end. -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
     n, k_padded = w.shape
     k = hessian.shape[0]
     h = torch.eye(k_padded, dtype=torch.float64)  # padded columns: no cross terms, they stay 0 and take no error
@@ -512,7 +512,7 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     # strided column slices).
     t = w.T.contiguous()
     q = torch.empty_like(t)
-    scales, minimums = [], []
+    grids = []
     block = max(128, group)  # a multiple of the (power-of-two) group: no group straddles two blocks
     for begin in range(0, k_padded, block):
         end = min(begin + block, k_padded)
@@ -523,13 +523,59 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
             if column % group == 0:
                 grid = _Int4Grid.searched(panel[j:j + group].T, symmetric, min_max, importance[column:column + group])
                 minimum = grid.minimum()
-                scales.append(grid.scale)
-                minimums.append(minimum)
+                grids.append(grid)
             q[column] = grid.quantize(panel[j])
             errors[j] = (panel[j] - (grid.scale * q[column] + minimum)) / u[column, column]
             panel[j:].addr_(u[column, column:end], errors[j], alpha=-1)
         t[end:].addmm_(u[begin:end, end:].T, errors, alpha=-1)
-    return q.T, torch.stack(scales, dim=1), torch.stack(minimums, dim=1)
+    grid = _Int4Grid(*(torch.stack(field, dim=1) for field in zip(*grids)))
+    scale = _refit_scales(w, h, q.T, grid, group)
+    return q.T, scale, grid.origin - grid.shift * scale
+
+
+# Rows of _refit_scales' normal equations at once: their [rows, groups, K] products (fp32, then fp64) stay within
+# ~256 MiB.
+REFIT_BYTES = 256 << 20
+
+
+def _refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, grid: "_Int4Grid", group: int) -> torch.Tensor:
+    """The group scales [N, groups] that minimize each row's output error (w - dequantized) H (w - dequantized)^T
+    for GPTQ's codes q [N, K] on their grids (origin and shift kept: w - origin ~ scale * (q - shift), so an integer
+    zero point stays one): one least-squares solve per row over its groups' scales, coupled through H's cross terms.
+    GPTQ fixes a group's grid before the columns after it are rounded; refitted to the codes it chose, the scales
+    cut SmolLM2's layer output errors by ~7% on the calibration text and ~3% on held-out text. A row keeps its grid's scales unless every refitted scale
+    is positive and its error falls (weights already on a grid keep it)."""
+    n, k_padded = w.shape
+    groups = k_padded // group
+    # fp64 but for the codes through H (half the time): fp32 sums of the normal equations or of the right-hand side
+    # lose most of the gain (MiniLM's cosine 0.9803 -> 0.9800)
+    codes = (q - grid.shift.repeat_interleave(group, dim=1)).to(torch.float64)
+    target = (w - grid.origin.repeat_interleave(group, dim=1)).to(torch.float64)
+    h32_by_group = h.to(torch.float32).view(groups, group, k_padded)
+    scale = grid.scale.clone()
+    rows = max(1, REFIT_BYTES // (12 * groups * k_padded))
+    for begin in range(0, n, rows):
+        c, t = codes[begin:begin + rows], target[begin:begin + rows]
+        r = c.shape[0]
+        # through_h[r, g, i] = sum over j in group g of c[r, j] H[j, i]: one group's codes through H
+        through_h = torch.einsum("rgj,gjk->rgk", c.to(torch.float32).view(r, groups, group),
+                                 h32_by_group).to(torch.float64)
+        normal = torch.einsum("rhgi,rgi->rhg", through_h.view(r, groups, groups, group), c.view(r, groups, group))
+        t_through_h = t @ h
+        right = (c * t_through_h).view(r, groups, group).sum(-1)
+        energy = (t * t_through_h).sum(-1)
+        ridge = 1e-9 * normal.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
+        old = scale[begin:begin + r].to(torch.float64)
+        new = torch.linalg.solve(normal + torch.diag_embed(ridge.expand(r, groups)),
+                                 (right + ridge * old).unsqueeze(-1)).squeeze(-1)
+
+        def error(s):  # (t - c s) H (t - c s)^T, expanded
+            return energy - 2 * (s * right).sum(-1) + (s * (normal @ s.unsqueeze(-1)).squeeze(-1)).sum(-1)
+
+        # a gain below 1e-9 of the row's output energy is rounding noise (weights already on their grid)
+        better = (new > 0).all(-1) & (error(new) < error(old) - 1e-9 * energy)
+        scale[begin:begin + r] = torch.where(better.unsqueeze(-1), new.to(torch.float32), scale[begin:begin + r])
+    return scale
 
 
 def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = True, min_max: bool = False,
@@ -552,8 +598,9 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     of the weight's: each column rounded on its group's grid, its error fed into the columns after it; damping times
     the mean diagonal is added to H first. The grid is fixed when the group starts, from the weights as GPTQ has
     updated them: the rule above over the group's range times the factor (1.0, 0.95, ..., 0.6) with the least error
-    weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). The
-    default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small model gets, 1% fits the
+    weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). Once
+    every column is rounded, each row's scales are refitted to its codes by least squares on the output error
+    (_refit_scales). The default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small model gets, 1% fits the
     calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant, 1024 tokens: +30%
     perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:

@@ -280,11 +280,12 @@ class _Site:
         if self.per_expert:
             self.expert_seen = torch.zeros(self.x_absmax.shape[0], dtype=torch.bool)
 
-    def attach(self):
-        """Registers the hook that records this site's input statistic; returns its handle."""
+    def attach(self, handles: list) -> None:
+        """Registers the hook that records this site's input statistic; appends its handle to handles."""
         if self.per_expert:
-            return self.producer.register_forward_pre_hook(self._record_expert_inputs)
-        return self.consumers[0].register_forward_pre_hook(self._record_input)
+            handles.append(self.producer.register_forward_pre_hook(self._record_expert_inputs))
+        else:
+            handles.append(self.consumers[0].register_forward_pre_hook(self._record_input))
 
     def _record_input(self, module, args):
         self.x_absmax = _running_max(self.x_absmax, _channel_absmax(args[0]).cpu())
@@ -452,14 +453,13 @@ class _LayerRecord:
         self.index, self.layer, self.modules = index, layer, dict(layer.named_modules())
         self.call, self.input, self.made, self.read, self.clock = None, None, {}, {}, itertools.count()
 
-    def attach(self) -> list:
-        handles = [_CallRecorder(self.layer, self._record_call)]
+    def attach(self, handles: list) -> None:
+        handles.append(_CallRecorder(self.layer, self._record_call))
         for name, module in self.modules.items():
             if name and (_is_norm(module) or isinstance(module, torch.nn.Linear)):
                 handles.append(module.register_forward_hook(partial(self._record_output, name)))
             if name and _is_consumer(module):
                 handles.append(_CallRecorder(module, partial(self._record_input, name)))
-        return handles
 
     def _record_call(self, layer, args, kwargs):
         if self.call is None:
@@ -583,15 +583,15 @@ def _best_fold(candidates: Iterable[_Pair], modules: dict, run: Callable[[], tor
     return pair if change <= bound else None
 
 
-def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, attachers: Iterable[Callable[[], list]]) -> None:
-    """One forward of the model on sample with the recording hooks that each of `attachers` attaches (returning
-    their handles), all removed after, also when attaching fails. Without a KV cache: running a layer again must not
-    append to the cache its recorded call holds."""
+def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, attachers: Iterable[Callable[[list], None]]) -> None:
+    """One forward of the model on sample with the recording hooks that each of `attachers` attaches (appending
+    each handle to the list it is given as the hook is made), all removed after, also when attaching fails partway.
+    Without a KV cache: running a layer again must not append to the cache its recorded call holds."""
     no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
     handles = []
     try:
         for attach in attachers:
-            handles += attach()
+            attach(handles)
         model(sample, **no_cache)
     finally:
         for handle in handles:
@@ -620,20 +620,20 @@ class _OutputPairRecorder:
         self.norms = {name: module for name, module in self.modules.items()
                       if name and _is_norm(module) and id(module) not in in_layers}
 
-    def attach(self) -> list:
+    def attach(self, handles: list) -> None:
         """Hooks recording the norms' inputs and outputs and the output layer's input (none if there is no output
-        layer to fold into, `reason`): the caller runs one forward and removes them."""
+        layer to fold into, `reason`), appended to handles: the caller runs one forward and removes them."""
         if self.reason:
-            return []
+            return
 
         def record_norm(name, module, args, result):
             if isinstance(result, torch.Tensor) and args:
                 self.seen.setdefault(name, (args[0], result))
 
-        handles = [module.register_forward_hook(partial(record_norm, name)) for name, module in self.norms.items()]
+        for name, module in self.norms.items():
+            handles.append(module.register_forward_hook(partial(record_norm, name)))
         handles.append(self.output.register_forward_pre_hook(
             lambda module, args: self.seen.setdefault(self.output_name, args[0])))
-        return handles
 
     def pair(self) -> Tuple[Optional[_Pair], str]:
         if self.reason:
@@ -678,7 +678,7 @@ def _linear_candidates(record: _LayerRecord, consumer: str, read_at: int, kv_gro
 
 
 def _derived_pairs(model: torch.nn.Module, layers: torch.nn.ModuleList, sample: torch.Tensor,
-                   more_attachers: List[Callable[[], list]]) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
+                   more_attachers: List[Callable[[list], None]]) -> Tuple[List[List[_Pair]], Tuple[NotSmoothed, ...]]:
     """The pairs that fold exactly, layer by layer, from one forward of sample (module docstring), and the
     inputs no pair smooths, grouped by reason over the layers. more_attachers: other recording hooks for that forward
     (_run_recorded's attachers)."""
@@ -801,9 +801,10 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]
         if output_pair is not None:
             sites.append(_Site(None, output_pair, dict(model.named_modules())))
-        handles = [site.attach() for site in sites]
-        tokens, output_before = 0, None
+        handles, tokens, output_before = [], 0, None
         try:
+            for site in sites:
+                site.attach(handles)
             for batch in itertools.chain([first_batch], batches):
                 output = _output_tensor(model(batch.to(device)))
                 if output_before is None:  # a causal model: the first positions' logits, whatever follows

@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.json and not args.json.parent.is_dir():  # before the run, not after it
+        print(f"minilm_w4a8: --json: no directory {args.json.parent}", file=sys.stderr)
+        return 2
     if not demo.available():
         print(f"minilm_w4a8: the demo extra is missing: {demo.INSTALL_HINT}", file=sys.stderr)
         return 2
@@ -79,8 +82,12 @@ def main(argv=None) -> int:
         print(f"  {name:<28} {rows[name]['cosine_mean']:8.4f} {rows[name]['cosine_min']:8.4f} {kept:>17} "
               f"{seconds:7.1f} s")
     if args.json:
-        args.json.write_text(json.dumps({"calibration_sentences": len(sentences), "text": str(args.text),
-                                         "group_size": args.group_size, "rows": rows}, indent=1))
+        try:
+            args.json.write_text(json.dumps({"calibration_sentences": len(sentences), "text": str(args.text),
+                                             "group_size": args.group_size, "rows": rows}, indent=1))
+        except OSError as e:
+            print(f"minilm_w4a8: --json: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

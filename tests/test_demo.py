@@ -116,6 +116,8 @@ def test_minilm_w4a8_benchmark_bad_text_exits_2(tmp_path):
         assert _minilm_w4a8("--text", str(tmp_path / "none.txt")).returncode == 2
         return
     (tmp_path / "short.txt").write_text("Too short. Also short!")
-    for path, message in ((tmp_path / "none.txt", "--text: [Errno 2]"), (tmp_path / "short.txt", "no sentence of")):
-        r = _minilm_w4a8("--text", str(path), timeout=120)
+    for args, message in ((["--text", str(tmp_path / "none.txt")], "--text: [Errno 2]"),
+                          (["--text", str(tmp_path / "short.txt")], "no sentence of"),
+                          (["--json", str(tmp_path / "no" / "rows.json")], "--json: no directory")):
+        r = _minilm_w4a8(*args, timeout=120)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import _run_recorded, calibrate_smoothing, smooth_quant  # noqa: E402
+from w8a8_cpu.llm.smoothquant import _CallRecorder, _run_recorded, calibrate_smoothing, smooth_quant  # noqa: E402,E501
 from w8a8_cpu.nn import quantize_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()
@@ -349,15 +349,24 @@ def test_an_embedding_that_computes_more_than_a_lookup_is_refused():
 
 
 def test_recording_hooks_are_removed_when_attaching_fails_partway():
-    """An attacher appends each hook as it makes it: one that fails after its first hook leaves none behind."""
+    """An attacher appends each hook as it makes it: one that fails after its first hook leaves none behind; two
+    forward wrappers on one module come off last first, so the module's own forward is back."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    calls = []
 
     def attach_two_then_fail(handles):
         handles.append(model[0].register_forward_hook(lambda *args: None))
         handles.append(model[1].register_forward_pre_hook(lambda *args: None))
         raise RuntimeError("attach failed")
 
+    def wrap_first_layer(handles):
+        handles.append(_CallRecorder(model[0], lambda *args: calls.append(1)))
+
     with pytest.raises(RuntimeError, match="attach failed"):
         _run_recorded(model, torch.randn(2, 8), [lambda handles: handles.append(
-            model[1].register_forward_hook(lambda *args: None)), attach_two_then_fail])
+            model[1].register_forward_hook(lambda *args: None)), wrap_first_layer, wrap_first_layer,
+            attach_two_then_fail])
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert "forward" not in model[0].__dict__
+    _run_recorded(model, torch.randn(2, 8), [wrap_first_layer, wrap_first_layer])
+    assert calls == [1, 1] and "forward" not in model[0].__dict__

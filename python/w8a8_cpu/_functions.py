@@ -489,11 +489,13 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     second moment hessian fp64 [K, K]: columns left to right, each rounded on its group's grid, its rounding error
     spread over the columns not yet rounded through the upper Cholesky factor of H^-1, in blocks of >= 128 columns
     (lazy batch updates). Each group's grid is fixed when its first column comes, from the error-updated weights;
-    the scales are refitted to the codes at the end. -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
+    the scales are refitted to the codes at the end (_refit_scales).
+    -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
     n, k_padded = w.shape
     k = hessian.shape[0]
     h = torch.eye(k_padded, dtype=torch.float64)  # padded columns: no cross terms, they stay 0 and take no error
-    h[:k, :k] = hessian
+    # only H's symmetric part defines the output error; the factorization reads one triangle, the refit both
+    h[:k, :k] = (hessian + hessian.T) / 2
     diagonal = h.diagonal()
     # An input that is 0 in every calibration row has no curvature: a unit diagonal (no cross terms) rounds its
     # column to nearest and feeds it no error, instead of GPTQ's zeroing of the weight an unseen input would need.
@@ -507,10 +509,12 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     except RuntimeError as e:  # torch.linalg.LinAlgError
         raise ValueError(f"hessian: not positive semi-definite (no Cholesky factor after dampening): {e}") from None
     u = torch.linalg.solve_triangular(r, torch.eye(k_padded, dtype=torch.float64), upper=True).to(torch.float32)
+    del r
     importance = diagonal.to(torch.float32)  # each input's (dampened) second moment: the grid search's weights
     # Columns as contiguous rows: each step reads one row and updates whole rows (~25% less time per column than on
-    # strided column slices).
-    t = w.T.contiguous()
+    # strided column slices). A copy even where w.T is already contiguous (one row): the updates must not reach w,
+    # which the refit reads.
+    t = w.T.clone(memory_format=torch.contiguous_format)
     q = torch.empty_like(t)
     grids = []
     block = max(128, group)  # a multiple of the (power-of-two) group: no group straddles two blocks
@@ -528,53 +532,65 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
             errors[j] = (panel[j] - (grid.scale * q[column] + minimum)) / u[column, column]
             panel[j:].addr_(u[column, column:end], errors[j], alpha=-1)
         t[end:].addmm_(u[begin:end, end:].T, errors, alpha=-1)
+    del t, u
     grid = _Int4Grid(*(torch.stack(field, dim=1) for field in zip(*grids)))
-    scale = _refit_scales(w, h, q.T, grid, group)
-    return q.T, scale, grid.origin - grid.shift * scale
+    q = q.T.contiguous()
+    scale = _refit_scales(w, h, q, grid, group, k)
+    return q, scale, grid.origin - grid.shift * scale
 
 
-# Rows of _refit_scales' normal equations at once: their [rows, groups, K] products (fp32, then fp64) stay within
-# ~256 MiB.
+# Rows of _refit_scales at once: their slices of the weights, codes, products and normal equations stay within ~256 MiB
+# (H itself, [K, K] fp64 plus an fp32 copy, comes on top).
 REFIT_BYTES = 256 << 20
 
 
-def _refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, grid: "_Int4Grid", group: int) -> torch.Tensor:
+def _refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, grid: "_Int4Grid", group: int,
+                  k: int) -> torch.Tensor:
     """The group scales [N, groups] that minimize each row's output error (w - dequantized) H (w - dequantized)^T
-    for GPTQ's codes q [N, K] on their grids (origin and shift kept: w - origin ~ scale * (q - shift), so an integer
-    zero point stays one): one least-squares solve per row over its groups' scales, coupled through H's cross terms.
-    GPTQ fixes a group's grid before the columns after it are rounded; refitted to the codes it chose, the scales
-    cut SmolLM2's layer output errors by ~7% on the calibration text and ~3% on held-out text. A row keeps its grid's scales unless every refitted scale
-    is positive and its error falls (weights already on a grid keep it)."""
+    for GPTQ's codes q [N, K_padded] on their grids (origin and shift kept: w - origin ~ scale * (q - shift), so an
+    integer zero point stays one), with h GPTQ's padded, dampened fp64 H [K_padded, K_padded] and w the weights before
+    GPTQ's updates: one least-squares solve per row over its groups' scales, coupled through H's cross terms. Only
+    the first k columns count (the padding is never computed with). GPTQ fixes a group's grid before the columns after
+    it are rounded; refitted to the codes it chose, the scales cut SmolLM2's layer output errors by ~7% on the
+    calibration text and ~3% on held-out text. A row keeps its grid's scales unless every refitted scale is positive
+    and its error falls by more than 1e-9 of (w - origin) H (w - origin)^T (weights already on a grid keep theirs)."""
     n, k_padded = w.shape
     groups = k_padded // group
-    # fp64 but for the codes through H (half the time): fp32 sums of the normal equations or of the right-hand side
-    # lose most of the gain (MiniLM's cosine 0.9803 -> 0.9800)
-    codes = (q - grid.shift.repeat_interleave(group, dim=1)).to(torch.float64)
-    target = (w - grid.origin.repeat_interleave(group, dim=1)).to(torch.float64)
-    h32_by_group = h.to(torch.float32).view(groups, group, k_padded)
+    real = (torch.arange(k_padded) < k).to(torch.float64)
+    h32 = h.to(torch.float32)
     scale = grid.scale.clone()
-    rows = max(1, REFIT_BYTES // (12 * groups * k_padded))
+    # per row, fp64: codes, target and their products through H ([K_padded] each, ~6 with temporaries), the normal
+    # equations and their solve's copies ([groups, groups], ~3)
+    rows = max(1, REFIT_BYTES // (8 * (6 * k_padded + 3 * groups * groups)))
     for begin in range(0, n, rows):
-        c, t = codes[begin:begin + rows], target[begin:begin + rows]
-        r = c.shape[0]
-        # through_h[r, g, i] = sum over j in group g of c[r, j] H[j, i]: one group's codes through H
-        through_h = torch.einsum("rgj,gjk->rgk", c.to(torch.float32).view(r, groups, group),
-                                 h32_by_group).to(torch.float64)
-        normal = torch.einsum("rhgi,rgi->rhg", through_h.view(r, groups, groups, group), c.view(r, groups, group))
+        stop = min(begin + rows, n)
+        # fp64 but for the codes through H (half the time): fp32 sums of the normal equations lose most of the gain
+        # (MiniLM's cosine 0.9803 -> 0.9800, the GPL-3 text's 184 sentences)
+        c = (q[begin:stop] - grid.shift[begin:stop].repeat_interleave(group, dim=1)).to(torch.float64) * real
+        t = (w[begin:stop] - grid.origin[begin:stop].repeat_interleave(group, dim=1)).to(torch.float64) * real
+        r = stop - begin
+        c_by_group = c.view(r, groups, group)
+        # normal[r, g, f] = sum over i in group g, j in group f of c[r, i] H[i, j] c[r, j]: group g's codes through
+        # H (one [r, group] x [group, K] product, fp32), then summed against every group's codes
+        normal = torch.empty(r, groups, groups, dtype=torch.float64)
+        c32 = c.to(torch.float32)
+        for g in range(groups):
+            through_h = (c32[:, g * group:(g + 1) * group] @ h32[g * group:(g + 1) * group]).to(torch.float64)
+            normal[:, g] = torch.einsum("rfi,rfi->rf", through_h.view(r, groups, group), c_by_group)
         t_through_h = t @ h
-        right = (c * t_through_h).view(r, groups, group).sum(-1)
+        right = torch.einsum("rgi,rgi->rg", c_by_group, t_through_h.view(r, groups, group))
         energy = (t * t_through_h).sum(-1)
+        # a group whose codes are all 0 (all at its zero point) makes the system singular: the ridge keeps its scale
         ridge = 1e-9 * normal.diagonal(dim1=1, dim2=2).mean(-1, keepdim=True).clamp_min(1e-30)
-        old = scale[begin:begin + r].to(torch.float64)
+        old = scale[begin:stop].to(torch.float64)
         new = torch.linalg.solve(normal + torch.diag_embed(ridge.expand(r, groups)),
                                  (right + ridge * old).unsqueeze(-1)).squeeze(-1)
 
         def error(s):  # (t - c s) H (t - c s)^T, expanded
             return energy - 2 * (s * right).sum(-1) + (s * (normal @ s.unsqueeze(-1)).squeeze(-1)).sum(-1)
 
-        # a gain below 1e-9 of the row's output energy is rounding noise (weights already on their grid)
-        better = (new > 0).all(-1) & (error(new) < error(old) - 1e-9 * energy)
-        scale[begin:begin + r] = torch.where(better.unsqueeze(-1), new.to(torch.float32), scale[begin:begin + r])
+        better = (new > 0).all(-1) & (error(new) < error(old) - 1e-9 * energy)  # below that: rounding noise
+        scale[begin:stop] = torch.where(better.unsqueeze(-1), new.to(torch.float32), scale[begin:stop])
     return scale
 
 
@@ -600,8 +616,8 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     updated them: the rule above over the group's range times the factor (1.0, 0.95, ..., 0.6) with the least error
     weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). Once
     every column is rounded, each row's scales are refitted to its codes by least squares on the output error
-    (_refit_scales). The default 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small model gets, 1% fits the
-    calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant, 1024 tokens: +30%
+    (_refit_scales). The default damping 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small
+    model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant, 1024 tokens: +30%
     perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "

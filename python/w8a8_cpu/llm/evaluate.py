@@ -44,7 +44,7 @@ def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: tor
         for i, (begin, end, first) in enumerate(spans):
             inputs = ids[begin:end].unsqueeze(0)
             targets = ids[first:end]
-            ref_logp = None
+            ref_logp = ref_p = None
             for name in [reference] + [n for n in models if n != reference]:
                 # position p predicts token p + 1: the logits of positions first-1 .. end-2 score the targets, so
                 # the LM head runs on the last end-first+1 positions only (it is a large share of the work)
@@ -52,9 +52,9 @@ def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: tor
                 logp = torch.log_softmax(logits, dim=-1)
                 totals[name]["nll"] -= logp.gather(1, targets.unsqueeze(1)).sum().item()
                 if ref_logp is None:
-                    ref_logp = logp
+                    ref_logp, ref_p = logp, logp.exp()  # once a window, not once per model
                 else:
-                    totals[name]["kl"] += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+                    totals[name]["kl"] += (ref_p * (ref_logp - logp)).sum().item()
                     totals[name]["top1"] += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
             scored += targets.numel()
             if on_window:

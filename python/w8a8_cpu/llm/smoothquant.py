@@ -583,19 +583,27 @@ def _best_fold(candidates: Iterable[_Pair], modules: dict, run: Callable[[], tor
     return pair if change <= bound else None
 
 
-def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, attachers: Iterable[Callable[[list], None]]) -> None:
-    """One forward of the model on sample with the recording hooks that each of `attachers` attaches (appending
-    each handle to the list it is given as the hook is made), all removed after, also when attaching fails partway.
-    Without a KV cache: running a layer again must not append to the cache its recorded call holds."""
-    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
-    handles = []
+@contextlib.contextmanager
+def _attached(attachers: Iterable[Callable[[list], None]]):
+    """The recording hooks that each of `attachers` attaches (appending each handle to the list it is given as the
+    hook is made) for the with block; all removed after, last made first (a forward wrapper restores the forward it
+    saw), also when attaching fails partway."""
+    handles: list = []
     try:
         for attach in attachers:
             attach(handles)
-        model(sample, **no_cache)
+        yield
     finally:
-        for handle in handles:
+        for handle in reversed(handles):
             handle.remove()
+
+
+def _run_recorded(model: torch.nn.Module, sample: torch.Tensor, attachers: Iterable[Callable[[list], None]]) -> None:
+    """One forward of the model on sample with the recording hooks of `attachers` (_attached). Without a KV cache:
+    running a layer again must not append to the cache its recorded call holds."""
+    no_cache = {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+    with _attached(attachers):
+        model(sample, **no_cache)
 
 
 class _OutputPairRecorder:
@@ -801,18 +809,13 @@ def calibrate_smoothing(model: torch.nn.Module, calibration: Union[torch.Tensor,
                  for index, pairs in enumerate(layer_pairs) for pair in pairs]
         if output_pair is not None:
             sites.append(_Site(None, output_pair, dict(model.named_modules())))
-        handles, tokens, output_before = [], 0, None
-        try:
-            for site in sites:
-                site.attach(handles)
+        tokens, output_before = 0, None
+        with _attached(site.attach for site in sites):
             for batch in itertools.chain([first_batch], batches):
                 output = _output_tensor(model(batch.to(device)))
                 if output_before is None:  # a causal model: the first positions' logits, whatever follows
                     output_before = output[:1, :_DRIFT_TOKENS].float()
                 tokens += batch.numel()
-        finally:
-            for handle in handles:
-                handle.remove()
     finally:
         model.train(was_training)
     return SmoothingStatistics(sites, not_smoothed, len(layers), tokens, discovery_seconds,

@@ -6,7 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import _CallRecorder, _run_recorded, calibrate_smoothing, smooth_quant  # noqa: E402,E501
+from w8a8_cpu.llm.smoothquant import (_CallRecorder, _run_recorded, calibrate_smoothing,  # noqa: E402
+                                      smooth_quant)
 from w8a8_cpu.nn import quantize_model  # noqa: E402
 
 transformers.logging.set_verbosity_error()

@@ -535,8 +535,8 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     del t, u
     grid = _Int4Grid(*(torch.stack(field, dim=1) for field in zip(*grids)))
     q = q.T.contiguous()
-    scale = _refit_scales(w, h, q, grid, group, k)
-    return q, scale, grid.origin - grid.shift * scale
+    grid = grid._replace(scale=_refit_scales(w, h, q, grid, group, k))
+    return q, grid.scale, grid.minimum()
 
 
 # Rows of _refit_scales at once: their slices of the weights, codes, products and normal equations stay within ~256 MiB
@@ -617,8 +617,8 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). Once
     every column is rounded, each row's scales are refitted to its codes by least squares on the output error
     (_refit_scales). The default damping 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small
-    model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant, 1024 tokens: +30%
-    perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
+    model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant,
+    1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")

@@ -701,7 +701,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     [B, T]), an iterable of such batches, or a callable(model) that runs the model (inputs of another form); one run
     of the float model records each int4 layer's input second moment (its Hessian), and each layer is then rounded
     by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is called after
-    each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~40 s on 2 threads, its calibration run included).
+    each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~40 s on 2 threads, its calibration run
+    included).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point.

@@ -18,6 +18,7 @@ exact=False selects the usual scheme for comparison: per-rank scales and one fp3
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import time
@@ -131,7 +132,12 @@ def finish(group=None) -> None:
     """Leave the process group: a barrier (RankFailure if a rank is gone), then destroy_process_group, rank 0 (the
     rendezvous store's host when init() made the group) last, once the others have left (bounded by the timeout).
     No rank tears down its connections, or rank 0 the store, while another still uses them: that has aborted a peer
-    in teardown (SIGABRT, "terminate called without an active exception")."""
+    in teardown (SIGABRT, "terminate called without an active exception").
+    Objects in reference cycles (a caught exception's frames, say) can keep gloo work and its tensors alive until
+    interpreter shutdown, where freeing them from gloo's threads takes the GIL and aborts the process (the same
+    message; seen rarely, 1 in ~250 local launches and once in CI, in a test whose ranks raise and catch
+    ValueErrors): a collection first frees them while the interpreter is whole."""
+    gc.collect()
     _collective("final barrier", lambda: dist.barrier(group=group))
     whole_world = group is None or group is dist.group.WORLD
     if _finish_store is None or not whole_world:

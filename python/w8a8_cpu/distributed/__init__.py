@@ -137,6 +137,7 @@ def finish(group=None) -> None:
     interpreter shutdown, where freeing them from gloo's threads takes the GIL and aborts the process (the same
     message; seen rarely, 1 in ~250 local launches and once in CI, in a test whose ranks raise and catch
     ValueErrors): a collection first frees them while the interpreter is whole."""
+    global _finish_store
     gc.collect()
     _collective("final barrier", lambda: dist.barrier(group=group))
     whole_world = group is None or group is dist.group.WORLD
@@ -149,11 +150,15 @@ def finish(group=None) -> None:
     if rank != 0:
         dist.destroy_process_group(group)
         _finish_store.add("left", 1)
-        return
-    deadline = time.monotonic() + (_timeout_s or DEFAULT_TIMEOUT_S)
-    while int(_finish_store.add("left", 0)) < world_size - 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    dist.destroy_process_group(group)
+    else:
+        deadline = time.monotonic() + (_timeout_s or DEFAULT_TIMEOUT_S)
+        while int(_finish_store.add("left", 0)) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dist.destroy_process_group(group)
+    # the last reference to the store: its connection (on rank 0 its server and the server's thread) closes here,
+    # now that every rank is done with it, not in interpreter shutdown
+    _finish_store = None
+    gc.collect()
 
 
 def _collective(what: str, fn, *tensors: torch.Tensor) -> None:

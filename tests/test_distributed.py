@@ -314,12 +314,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_env(**settings: str) -> dict:
+    """The environment of a process this file starts: ours, this interpreter's import path, and PYTHONFAULTHANDLER, so
+    that a process that aborts (SIGABRT in gloo's teardown, say) prints where its threads were."""
+    return {**os.environ, "PYTHONFAULTHANDLER": "1", "PYTHONPATH": os.pathsep.join(sys.path), **settings}
+
+
 def launch(case: str, world_size: int, tmp: Path, timeout_s: float = LAUNCH_TIMEOUT_S):
     """Run `case` on world_size ranks; (per-rank result dicts or None, per-rank exit codes, per-rank output).
     Every rank is killed (its whole process group) if the launch outlives timeout_s or the test fails."""
-    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT in gloo's teardown, say) prints where its threads were
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size),
-           "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = _rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
+                    OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([*python_command(), __file__, case, str(tmp)], env={**env, "RANK": str(rank)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True)
              for rank in range(world_size)]
@@ -454,9 +459,7 @@ def test_ranks_given_different_checkpoints_options_or_inputs_all_refuse(tmp_path
 def test_disagreeing_world_sizes_fail_within_the_timeout_naming_it(sizes, message):
     """Two processes started with WORLD_SIZE 2 and 3 (or a rank missing): RankFailure naming the mismatch on the
     ranks that see it, within timeout_s (torch alone: a raw store or gloo error after several timeouts)."""
-    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT in gloo's teardown, say) prints where its threads were
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = _rank_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     script = ("import sys, time; from w8a8_cpu import distributed\n"
               "t0 = time.monotonic()\n"
               "try:\n    distributed.init(timeout_s=5)\n"
@@ -502,9 +505,7 @@ if __name__ == "__main__":
 
 def _launcher_json(argv, timeout_s: float = 600) -> dict:
     """Run the launcher (bounded; its process group is killed on timeout); its JSON line (rank 0's report)."""
-    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT in gloo's teardown, say) prints where its threads were
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(argv, env=_rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     ((out, _),) = communicate_all([proc], timeout_s, " ".join(argv[:6]))
     assert proc.returncode == 0, out[-4000:]

@@ -156,7 +156,8 @@ def finish(group=None) -> None:
             time.sleep(0.01)
         dist.destroy_process_group(group)
     # the last reference to the store: its connection (on rank 0 its server and the server's thread) closes here,
-    # now that every rank is done with it, not in interpreter shutdown
+    # now that every rank is done with it, not in interpreter shutdown; a second collection for cycles through the
+    # destroyed group (the first one ran while it was still registered and alive)
     _finish_store = None
     gc.collect()
 

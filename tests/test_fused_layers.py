@@ -113,9 +113,11 @@ def test_decoder_follows_the_model(model_type):
     model = tiny_llama(model_type)
     ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        expected = model(ids.unsqueeze(0)).logits[0, -1]
+        expected = model(ids.unsqueeze(0)).logits[0]
     decoder = Decoder(model)
-    torch.testing.assert_close(decoder.prefill(ids), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(decoder.prefill(ids), expected[-1], rtol=1e-4, atol=1e-4)
+    # the last 25 positions' logits, as perplexity reads them (the lm_head on those positions only)
+    torch.testing.assert_close(decoder.logits(ids, 25), expected[-25:], rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         generated = model.generate(ids.unsqueeze(0), attention_mask=torch.ones(1, 40, dtype=torch.long),
                                    do_sample=False, max_new_tokens=20, min_new_tokens=20)[0, 40:].tolist()
@@ -156,6 +158,9 @@ def test_decoder_rejects_what_it_does_not_run():
         decoder.greedy(torch.zeros(100, dtype=torch.long), 29)
     with pytest.raises(ValueError, match="new_tokens"):
         decoder.greedy(torch.zeros(3, dtype=torch.long), 0)
+    for last in (0, 4, 1.0):
+        with pytest.raises(ValueError, match=r"last: expected an int in \[1, 3\]"):
+            decoder.logits(torch.zeros(3, dtype=torch.long), last)
 
 
 @pytest.mark.parametrize("name", ["w_scale", "bias"])

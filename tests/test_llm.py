@@ -157,7 +157,10 @@ def test_main_job_reports_and_gates():
     assert models["fp32"]["greedy_equal_prefix"] == 16
     assert models["W8A8 (SmoothQuant)"]["kl"] < models["W8A8 (RTN)"]["kl"]
     assert models["W8A8 (SmoothQuant)"]["weight_bytes"] < 0.5 * models["fp32"]["weight_bytes"]
-    assert all(m["decode_tokens_per_s"] > 0 and m["generate_tokens_per_s"] > 0 for m in models.values())
+    assert all(m["decode_tokens_per_s"] > 0 for m in models.values())
+    # transformers' generate runs for the float reference and the job's model only; the others decode in the lean loop
+    assert [name for name, m in models.items() if m.get("generate_tokens_per_s", 0) > 0] == ["fp32",
+                                                                                          "W8A8 (SmoothQuant)"]
     assert result["int8_output_layer"] and result["lean_decode"]
     assert models["W8A8 (SmoothQuant)"]["weight_bytes"] < 0.7 * models["W8A8 (SQ, fp32 lm_head)"]["weight_bytes"]
     assert models["fp32"]["lean_equal_to_generate"] == 16  # fp32 is not chaotic: the lean loop's tokens are generate's

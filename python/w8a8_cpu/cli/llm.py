@@ -3,8 +3,9 @@
 Loads SmolLM2-135M-Instruct (w8a8_cpu.llm.smollm2), calibrates SmoothQuant on one text, quantizes, and compares fp32, W8A8
 round-to-nearest, W8A8 after SmoothQuant (int8 output layer and embedding sharing one table, fused projections; and
 with the fp32 output layer, for comparison) and torch.ao dynamic int8 on another text: perplexity, KL divergence and
-top-1 agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. Decode and
-prefill run every model through the same lean loop (w8a8_cpu.llm.decoder); transformers' generate is timed too.
+top-1 agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. Perplexity,
+decode and prefill run every model through the same lean loop (w8a8_cpu.llm.decoder); transformers' generate is
+timed too, for fp32 and the job's model.
 Texts: both ship with Debian's base-files package (every Debian system has them), neither was written by us.
 - evaluation: the GNU GPL version 3 text (/usr/share/common-licenses/GPL-3; verbatim copying permitted);
 - calibration: the Apache License 2.0 text (/usr/share/common-licenses/Apache-2.0), a different document."""
@@ -95,18 +96,29 @@ def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, round
     return medians(interleaved(passes, rounds, warmup=0))
 
 
-def lean_timing(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens: int, prefill_ids: torch.Tensor,
-                rounds: int = TIMING_ROUNDS) -> Dict[str, dict]:
-    """Each model's decode rate (new_tokens greedy tokens after the chat prompt, its prefill included, as
-    evaluate.greedy counts it) and prefill time (the first token's logits after prefill_ids), through its Decoder:
-    medians of `rounds` rounds interleaving the models. The decoders must be warm for this decode (run() has just
-    generated each one's tokens for the prompt): no warm-up round for it (~11 s of the job on 2 cores); prefill gets
-    one (its longer cache)."""
-    decode = medians(interleaved({name: (lambda d=d: d.greedy(prompt_ids, new_tokens)) for name, d in
-                                  decoders.items()}, rounds, warmup=0))
-    prefill = medians(interleaved({name: (lambda d=d: d.prefill(prefill_ids)) for name, d in decoders.items()},
-                                  rounds))
-    return {name: {"decode_tokens_per_s": new_tokens / decode[name], "prefill_s": prefill[name]} for name in decoders}
+def lean_runs(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens: int,
+              prefill_ids: Optional[torch.Tensor], rounds: int, prefill_warmup: int) -> Dict[str, dict]:
+    """Each model's greedy tokens (new_tokens after the chat prompt) and decode rate (those tokens, their prompt's
+    prefill included, as evaluate.greedy counts it) through its Decoder, and its prefill time (the first token's
+    logits after prefill_ids; None: not timed): medians of `rounds` rounds interleaving the models. Decode has no
+    warm-up round (~11 s of the job on 2 cores): the decoders have run the perplexity windows, and a median of three
+    rounds outvotes a slow first one. Every round must give the same tokens."""
+    tokens: Dict[str, list] = {}
+
+    def decode(name: str, decoder: Decoder) -> None:
+        out = decoder.greedy(prompt_ids, new_tokens)
+        if tokens.setdefault(name, out) != out:
+            raise RuntimeError(f"{name}: the lean loop's greedy tokens differ between two runs of the same prompt")
+
+    decode_s = medians(interleaved({name: (lambda n=name, d=d: decode(n, d)) for name, d in decoders.items()},
+                                   rounds, warmup=0))
+    out = {name: {"tokens": tokens[name], "decode_tokens_per_s": new_tokens / decode_s[name]} for name in decoders}
+    if prefill_ids is not None:
+        prefill = medians(interleaved({name: (lambda d=d: d.prefill(prefill_ids)) for name, d in decoders.items()},
+                                      rounds, warmup=prefill_warmup))
+        for name in decoders:
+            out[name]["prefill_s"] = prefill[name]
+    return out
 
 
 def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool, scheme: str = "w8a8",
@@ -175,8 +187,12 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     except Exception as e:  # not every torch build ships a quantized engine
         progress.note(f"torch.ao dynamic quantization unavailable: {e}")
 
+    # Sharded models run collectives in their layers: the launcher times them itself, the job runs them as they are.
+    decoders = {name: Decoder(model) for name, model in models.items()} if prepare_w8a8 is None else {}
     progress.step(f"perplexity, {n_windows} windows x {len(models)} models")
-    accuracy = evaluate.compare_on_text(models, FP32, eval_ids, window, stride,
+    # through the lean loop where there is one: the path that decode and prefill are timed on (~15% faster than
+    # transformers' forward, the same function up to the last bits)
+    accuracy = evaluate.compare_on_text(decoders or models, FP32, eval_ids, window, stride,
                                         on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
 
     prompt_ids = chat_prompt_ids(tokenizer)
@@ -184,13 +200,19 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         eval_ids.repeat(prefill_tokens // eval_ids.numel() + 1)[:prefill_tokens]
     if on_inputs:
         on_inputs(prompt_ids, prefill_ids)
-    progress.step(f"greedy generation, {new_tokens} tokens each (transformers generate)")
-    generated = {name: evaluate.greedy(model, prompt_ids, new_tokens) for name, model in models.items()}
+    # transformers' generate: the decode of every model without a lean loop; beside it, for the float reference and
+    # the job's model (what the lean loop gains; fp32 is not chaotic, so its lean tokens must be generate's)
+    generating = [FP32, SQ] if decoders else list(models)
+    progress.step(f"greedy generation, {new_tokens} tokens, {len(generating)} models (transformers generate)")
+    generated = {name: evaluate.greedy(models[name], prompt_ids, new_tokens) for name in generating}
     reference_tokens = generated[FP32]["tokens"]
-    decoders = {}
-    if prepare_w8a8 is None:  # sharded models run collectives in their layers: the launcher times them itself
-        decoders = {name: Decoder(model) for name, model in models.items()}
-        lean_tokens = {name: d.greedy(prompt_ids, new_tokens) for name, d in decoders.items()}
+    if decoders:
+        if bench:
+            progress.step(f"decode ({new_tokens} tokens) and prefill ({prefill_tokens} tokens) timing, "
+                          f"{TIMING_ROUNDS} rounds")
+        # the perplexity windows ran every decoder at `window` tokens: a prefill that long needs no warm-up round
+        lean = lean_runs(decoders, prompt_ids, new_tokens, prefill_ids if bench else None,
+                         TIMING_ROUNDS if bench else 1, prefill_warmup=int(prefill_tokens > window))
 
     result = {
         "model": smollm2.MODEL_NAME,
@@ -211,18 +233,21 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         "models": {},
     }
     for name, model in models.items():
-        tokens = lean_tokens[name] if decoders else generated[name]["tokens"]
-        result["models"][name] = {
+        tokens = lean[name]["tokens"] if decoders else generated[name]["tokens"]
+        row = result["models"][name] = {
             **accuracy[name],
             "greedy_equal_prefix": evaluate.agreeing_prefix(tokens, reference_tokens),
             "greedy_text": tokenizer.decode(tokens, skip_special_tokens=True),
             "weight_bytes": evaluate.weight_bytes(model),
-            "generate_tokens_per_s": generated[name]["tokens_per_s"],
-            "decode_tokens_per_s": generated[name]["tokens_per_s"],
         }
         if decoders:
-            result["models"][name]["lean_equal_to_generate"] = evaluate.agreeing_prefix(
-                tokens, generated[name]["tokens"])
+            row.update({key: value for key, value in lean[name].items() if key != "tokens"})
+        if name in generated:
+            row["generate_tokens_per_s"] = generated[name]["tokens_per_s"]
+            if decoders:
+                row["lean_equal_to_generate"] = evaluate.agreeing_prefix(tokens, generated[name]["tokens"])
+            else:
+                row["decode_tokens_per_s"] = generated[name]["tokens_per_s"]
     if compile_decode:
         progress.step("torch.compile of the W8A8 (SmoothQuant) model for decode (minutes)")
         compiled = evaluate.compiled_greedy(models[SQ], prompt_ids, new_tokens)
@@ -230,16 +255,10 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
             "tokens_per_s": compiled["tokens_per_s"], "compile_s": compiled["compile_s"],
             "greedy_equal_prefix": evaluate.agreeing_prefix(compiled["tokens"], reference_tokens),
             "equal_to_eager_w8a8": compiled["tokens"] == generated[SQ]["tokens"]}
-    if bench:
-        if decoders:
-            progress.step(f"decode ({new_tokens} tokens) and prefill ({prefill_tokens} tokens) timing, "
-                          f"{TIMING_ROUNDS} rounds")
-            for name, timing in lean_timing(decoders, prompt_ids, new_tokens, prefill_ids).items():
-                result["models"][name].update(timing)
-        else:
-            progress.step(f"prefill timing, {prefill_tokens} tokens (transformers forward)")
-            for name, seconds in prefill_seconds(models, prefill_ids).items():
-                result["models"][name]["prefill_s"] = seconds
+    if bench and not decoders:
+        progress.step(f"prefill timing, {prefill_tokens} tokens (transformers forward)")
+        for name, seconds in prefill_seconds(models, prefill_ids).items():
+            result["models"][name]["prefill_s"] = seconds
     fp_ppl = result["models"][FP32]["ppl"]
     increase = {name: 100.0 * (result["models"][name]["ppl"] / fp_ppl - 1.0) for name in (SQ, SQ_FP32_HEAD)
                 if name in result["models"]}
@@ -278,22 +297,24 @@ def print_report(result: dict) -> None:
         kl = "" if name == FP32 else f"{m['kl']:.4f}"
         top1 = "" if name == FP32 else f"{100.0 * m['top1_agreement']:5.1f}%"
         prefill = f"{m['prefill_s']:6.2f} s" if "prefill_s" in m else ""
+        generate = f"{m['generate_tokens_per_s']:5.1f} tok/s" if "generate_tokens_per_s" in m else "-"
         print(f"  {name:<24} {m['ppl']:7.2f} {delta:>8} {kl:>7} {top1:>6} {m['greedy_equal_prefix']:>3}/{n:<3}"
               f" {m['weight_bytes'] / mib:6.1f} MiB {prefill:>8} {m['decode_tokens_per_s']:5.1f} tok/s"
-              f" {m['generate_tokens_per_s']:5.1f} tok/s")
+              f" {generate:>11}")
     if lean:
-        print(f"  (KL: mean KL(fp32 || model) per scored token; top-1: next-token argmax equal to fp32's; greedy: "
-              f"tokens equal to fp32's generate before the first difference; decode: {n} greedy tokens, batch 1, "
-              f"prompt included, through the lean decode loop (w8a8_cpu.llm.decoder: static KV cache, fused "
-              f"projections); prefill: time to the first token after {result['prefill_tokens']} tokens, same loop; "
-              f"both median of {TIMING_ROUNDS} interleaved rounds; generate: the same {n} tokens through "
-              f"transformers' generate, one run)")
+        print(f"  (ppl, KL, top-1, greedy, decode and prefill: every model through the lean decode loop "
+              f"(w8a8_cpu.llm.decoder: static KV cache, fused projections); KL: mean KL(fp32 || model) per scored "
+              f"token; top-1: next-token argmax equal to fp32's; greedy: tokens equal to fp32's generate before the "
+              f"first difference; decode: {n} greedy tokens, batch 1, prompt included; prefill: time to the first "
+              f"token after {result['prefill_tokens']} tokens; both median of {TIMING_ROUNDS} interleaved rounds; "
+              f"generate: the same {n} tokens through transformers' generate, one run, for fp32 and the job's model)")
         if W4A8_ASYM in models:
             print(f"  (SQ/{W4A8_GROUP}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {W4A8_GROUP} "
                   f"input channels, round to nearest; SQ: alpha {result['smoothquant_alpha']} (W4A8 sym: "
                   f"{W4A8_SYM_SQ_ALPHA}), per channel; the int8 output layer's input: alpha "
                   f"{result['output_smoothquant_alpha']}, per channel)")
-        same = [f"{name} {m['lean_equal_to_generate']}/{n}" for name, m in models.items()]
+        same = [f"{name} {m['lean_equal_to_generate']}/{n}" for name, m in models.items()
+                if "lean_equal_to_generate" in m]
         print(f"  lean loop vs generate, equal leading tokens: {', '.join(same)}")
     else:
         print(f"  (KL: mean KL(fp32 || model) per scored token; top-1: next-token argmax equal to fp32's; greedy: "

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
+
+from .decoder import Decoder
 
 
 def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
@@ -30,11 +32,13 @@ def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
     return spans
 
 
-def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: torch.Tensor, window: int = 512,
-                    stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None) -> Dict[str, dict]:
+def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder]], reference: str, ids: torch.Tensor,
+                    window: int = 512, stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None
+                    ) -> Dict[str, dict]:
     """Perplexity of every model on token ids [T], plus KL(reference || model) and top-1 agreement with
-    `reference` (one of the names) on the same scored positions. Models run window by window, so no model's
-    full-text logits are held at once."""
+    `reference` (one of the names) on the same scored positions. A model is a causal LM module (its forward) or a
+    Decoder (its lean loop's forward). Models run window by window, so no model's full-text logits are held at
+    once."""
     if reference not in models:
         raise ValueError(f"reference: {reference!r} is not one of the models {list(models)}")
     spans = windows(ids.numel(), window, stride)
@@ -42,13 +46,13 @@ def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: tor
     scored = 0
     with torch.inference_mode():
         for i, (begin, end, first) in enumerate(spans):
-            inputs = ids[begin:end].unsqueeze(0)
+            inputs = ids[begin:end]
             targets = ids[first:end]
             ref_logp = ref_p = None
             for name in [reference] + [n for n in models if n != reference]:
                 # position p predicts token p + 1: the logits of positions first-1 .. end-2 score the targets, so
                 # the LM head runs on the last end-first+1 positions only (it is a large share of the work)
-                logits = models[name](inputs, logits_to_keep=end - first + 1).logits[0, :-1].float()
+                logits = _last_logits(models[name], inputs, end - first + 1)[:-1].float()
                 logp = torch.log_softmax(logits, dim=-1)
                 totals[name]["nll"] -= logp.gather(1, targets.unsqueeze(1)).sum().item()
                 if ref_logp is None:
@@ -66,6 +70,13 @@ def compare_on_text(models: Dict[str, torch.nn.Module], reference: str, ids: tor
         if name != reference:
             out[name].update(kl=t["kl"] / scored, top1_agreement=t["top1"] / scored)
     return out
+
+
+def _last_logits(model: Union[torch.nn.Module, Decoder], ids: torch.Tensor, last: int) -> torch.Tensor:
+    """Logits [last, vocab] of the last `last` positions of ids [T]."""
+    if isinstance(model, Decoder):
+        return model.logits(ids, last)
+    return model(ids.unsqueeze(0), logits_to_keep=last).logits[0]
 
 
 def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int) -> dict:

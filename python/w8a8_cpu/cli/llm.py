@@ -12,6 +12,7 @@ Texts: both ship with Debian's base-files package (every Debian system has them)
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -94,6 +95,25 @@ def prefill_seconds(models: Dict[str, torch.nn.Module], ids: torch.Tensor, round
     inputs = ids.unsqueeze(0)
     passes = {name: (lambda model=model: model(inputs, use_cache=False)) for name, model in models.items()}
     return medians(interleaved(passes, rounds, warmup=0))
+
+
+class WindowPrefillTimer:
+    """A Decoder as compare_on_text scores it (a function (ids, last) -> logits), timing each window's prefill on the
+    way: the forward pass over the window and its last position's logits (Decoder.prefill's work), the lm_head on the
+    window's other scored positions after the clock. The perplexity loop runs the models one after the other on each
+    window, so these are interleaved rounds, one a window. `seconds`: one per window of `length` tokens."""
+
+    def __init__(self, decoder: Decoder, length: int):
+        self.decoder, self.length, self.seconds = decoder, length, []
+
+    def __call__(self, ids: torch.Tensor, last: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        hidden = self.decoder.hidden(ids)
+        final = self.decoder.lm_head(hidden[-1:])
+        seconds = time.perf_counter() - t0
+        if ids.numel() == self.length:
+            self.seconds.append(seconds)
+        return torch.cat([self.decoder.lm_head(hidden[-last:-1]), final]) if last > 1 else final
 
 
 def lean_runs(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens: int,
@@ -189,11 +209,13 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
 
     # Sharded models run collectives in their layers: the launcher times them itself, the job runs them as they are.
     decoders = {name: Decoder(model) for name, model in models.items()} if prepare_w8a8 is None else {}
+    timers = {name: WindowPrefillTimer(decoder, prefill_tokens) for name, decoder in decoders.items()}
     progress.step(f"perplexity, {n_windows} windows x {len(models)} models")
-    # through the lean loop where there is one: the path that decode and prefill are timed on (~15% faster than
-    # transformers' forward, the same function up to the last bits)
-    accuracy = evaluate.compare_on_text(decoders or models, FP32, eval_ids, window, stride,
+    # through the lean loop where there is one: the path that decode is timed on (~12% less time than transformers'
+    # forward, the same function up to the last bits), timing the prefill of every window as long as prefill_tokens
+    accuracy = evaluate.compare_on_text(timers or models, FP32, eval_ids, window, stride,
                                         on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
+    prefill_in_windows = bool(timers) and all(timer.seconds for timer in timers.values())
 
     prompt_ids = chat_prompt_ids(tokenizer)
     prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
@@ -207,12 +229,16 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     generated = {name: evaluate.greedy(models[name], prompt_ids, new_tokens) for name in generating}
     reference_tokens = generated[FP32]["tokens"]
     if decoders:
+        prefill_rounds = bench and not prefill_in_windows  # no window was prefill_tokens long
         if bench:
-            progress.step(f"decode ({new_tokens} tokens) and prefill ({prefill_tokens} tokens) timing, "
+            progress.step(f"decode ({new_tokens} tokens){' and prefill' if prefill_rounds else ''} timing, "
                           f"{TIMING_ROUNDS} rounds")
         # the perplexity windows ran every decoder at `window` tokens: a prefill that long needs no warm-up round
-        lean = lean_runs(decoders, prompt_ids, new_tokens, prefill_ids if bench else None,
+        lean = lean_runs(decoders, prompt_ids, new_tokens, prefill_ids if prefill_rounds else None,
                          TIMING_ROUNDS if bench else 1, prefill_warmup=int(prefill_tokens > window))
+        if bench and prefill_in_windows:
+            for name, timer in timers.items():
+                lean[name]["prefill_s"] = statistics.median(timer.seconds)
 
     result = {
         "model": smollm2.MODEL_NAME,
@@ -230,6 +256,8 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
                         "worst_outlier_after": max(i.outlier_after for i in smooth_report.inputs)},
         "chat_prompt": CHAT_PROMPT, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
         "int8_output_layer": int8_output_layer, "lean_decode": bool(decoders),
+        "prefill_in_windows": bench and prefill_in_windows,
+        "prefill_samples": len(timers[FP32].seconds) if bench and prefill_in_windows else TIMING_ROUNDS,
         "models": {},
     }
     for name, model in models.items():
@@ -302,12 +330,15 @@ def print_report(result: dict) -> None:
               f" {m['weight_bytes'] / mib:6.1f} MiB {prefill:>8} {m['decode_tokens_per_s']:5.1f} tok/s"
               f" {generate:>11}")
     if lean:
+        prefill_runs = (f"the {result['prefill_samples']} perplexity windows (the models interleaved on each)"
+                        if result.get("prefill_in_windows") else f"{TIMING_ROUNDS} interleaved rounds")
         print(f"  (ppl, KL, top-1, greedy, decode and prefill: every model through the lean decode loop "
               f"(w8a8_cpu.llm.decoder: static KV cache, fused projections); KL: mean KL(fp32 || model) per scored "
               f"token; top-1: next-token argmax equal to fp32's; greedy: tokens equal to fp32's generate before the "
-              f"first difference; decode: {n} greedy tokens, batch 1, prompt included; prefill: time to the first "
-              f"token after {result['prefill_tokens']} tokens; both median of {TIMING_ROUNDS} interleaved rounds; "
-              f"generate: the same {n} tokens through transformers' generate, one run, for fp32 and the job's model)")
+              f"first difference; decode: {n} greedy tokens, batch 1, prompt included, median of {TIMING_ROUNDS} "
+              f"interleaved rounds; prefill: time to the first token after {result['prefill_tokens']} tokens, "
+              f"median of {prefill_runs}; generate: the same {n} tokens through transformers' generate, one run, for "
+              f"fp32 and the job's model)")
         if W4A8_ASYM in models:
             print(f"  (SQ/{W4A8_GROUP}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {W4A8_GROUP} "
                   f"input channels, round to nearest; SQ: alpha {result['smoothquant_alpha']} (W4A8 sym: "

@@ -66,7 +66,8 @@ class _Layer:
 class Decoder:
     """Greedy decoding and prefill of a Llama-family transformers model (W8A8 or float) in a flat loop with a static
     KV cache. decoder.greedy(prompt_ids, n) -> n token ids; decoder.prefill(ids) -> the last position's logits;
-    decoder.logits(ids, last) -> the last `last` positions' logits (perplexity)."""
+    decoder.logits(ids, last) -> the last `last` positions' logits (perplexity); decoder.hidden(ids) -> the lm_head's
+    input at every position."""
 
     def __init__(self, model: torch.nn.Module):
         config = getattr(model, "config", None)
@@ -103,10 +104,9 @@ class Decoder:
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
 
-    def _forward(self, ids: torch.Tensor, start: int, last: int = 1) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """Positions start .. start + T - 1 of ids [T] through the model (their K/V written to the cache); returns the
-        logits [last, vocab] of the last `last` positions (the lm_head runs on those only). start == 0 (a prompt) or
-        T == 1 (a decode step)."""
+        final norm's output [T, hidden], the lm_head's input. start == 0 (a prompt) or T == 1 (a decode step)."""
         t = ids.numel()
         end = start + t
         # The residual stream h [1, T, H] is updated in place by the norms (h is the embedding's fresh output).
@@ -136,7 +136,7 @@ class Decoder:
             x = layer.post_norm.add_(h, layer.o_proj(attn.reshape(1, t, nq * d)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = following.add_(h, layer.mlp(x))
-        return self.lm_head(x[0, t - last:])
+        return x[0]
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of the position after ids [T] (the prompt's forward pass; the cache is reset)."""
@@ -144,13 +144,23 @@ class Decoder:
 
     def logits(self, ids: torch.Tensor, last: int = 1) -> torch.Tensor:
         """Logits [last, vocab] of the last `last` positions of ids [T] (position p's predict token p + 1), from one
-        forward pass of the whole of ids (the cache is reset)."""
+        forward pass of the whole of ids (the cache is reset); the lm_head runs on those positions only."""
         ids = _check_ids(ids, self.config.vocab_size)
         if not isinstance(last, int) or not 1 <= last <= ids.numel():
             raise ValueError(f"last: expected an int in [1, {ids.numel()}] (the positions of ids), got {last!r}")
-        self._allocate(ids.numel())
         with torch.inference_mode():
-            return self._forward(ids, 0, last)
+            return self.lm_head(self._prompt(ids)[-last:])
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The lm_head's input [T, hidden] at every position of ids [T] (one forward pass; the cache is reset):
+        logits(ids, last) is decoder.lm_head(decoder.hidden(ids)[-last:]) under inference_mode."""
+        ids = _check_ids(ids, self.config.vocab_size)
+        with torch.inference_mode():
+            return self._prompt(ids)
+
+    def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
+        self._allocate(ids.numel())
+        return self._forward(ids, 0)
 
     def greedy(self, prompt_ids: torch.Tensor, new_tokens: int) -> List[int]:
         """Exactly new_tokens greedy tokens after prompt_ids [T] (no stop at an end token), each the argmax of the
@@ -161,12 +171,12 @@ class Decoder:
         self._allocate(ids.numel() + new_tokens)
         out: List[int] = []
         with torch.inference_mode():
-            logits = self._forward(ids, 0)[0]
+            logits = self.lm_head(self._forward(ids, 0)[-1:])[0]
             position = ids.numel()
             for _ in range(new_tokens - 1):
                 token = logits.argmax()
                 out.append(int(token))
-                logits = self._forward(token.view(1), position)[0]
+                logits = self.lm_head(self._forward(token.view(1), position))[0]
                 position += 1
             out.append(int(logits.argmax()))
         return out

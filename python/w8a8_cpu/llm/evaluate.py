@@ -14,6 +14,8 @@ import torch
 
 from .decoder import Decoder
 
+LastLogits = Callable[[torch.Tensor, int], torch.Tensor]  # (ids [T], last) -> logits [last, vocab]
+
 
 def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
     """(begin, end, first_scored) of each sliding window: each token is scored at most once, with at least
@@ -32,12 +34,13 @@ def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
     return spans
 
 
-def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder]], reference: str, ids: torch.Tensor,
-                    window: int = 512, stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None
+def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder, LastLogits]], reference: str,
+                    ids: torch.Tensor, window: int = 512, stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None
                     ) -> Dict[str, dict]:
     """Perplexity of every model on token ids [T], plus KL(reference || model) and top-1 agreement with
-    `reference` (one of the names) on the same scored positions. A model is a causal LM module (its forward) or a
-    Decoder (its lean loop's forward). Models run window by window, so no model's full-text logits are held at
+    `reference` (one of the names) on the same scored positions. A model is a causal LM module (its forward), a
+    Decoder (its lean loop's forward) or a function (ids [T], last) -> the logits [last, vocab] of the last `last`
+    positions. Models run window by window, one after the other on each, so no model's full-text logits are held at
     once."""
     if reference not in models:
         raise ValueError(f"reference: {reference!r} is not one of the models {list(models)}")
@@ -72,11 +75,13 @@ def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder]], referenc
     return out
 
 
-def _last_logits(model: Union[torch.nn.Module, Decoder], ids: torch.Tensor, last: int) -> torch.Tensor:
+def _last_logits(model: Union[torch.nn.Module, Decoder, LastLogits], ids: torch.Tensor, last: int) -> torch.Tensor:
     """Logits [last, vocab] of the last `last` positions of ids [T]."""
     if isinstance(model, Decoder):
         return model.logits(ids, last)
-    return model(ids.unsqueeze(0), logits_to_keep=last).logits[0]
+    if isinstance(model, torch.nn.Module):
+        return model(ids.unsqueeze(0), logits_to_keep=last).logits[0]
+    return model(ids, last)
 
 
 def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int) -> dict:

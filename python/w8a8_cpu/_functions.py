@@ -465,7 +465,10 @@ class _Int4Grid(NamedTuple):
         # every factor at once, along a new leading dimension
         factors = torch.tensor(CLIP_FACTORS, dtype=grouped.dtype).view(-1, *[1] * grouped.dim())
         grids = cls.of(grouped * factors, symmetric, min_max, keepdim=True)  # fields [factors, ..., 1]
-        error = ((grids.scale * grids.quantize(grouped) + grids.minimum() - grouped).square() * importance).sum(-1)
+        weighted = (grids.scale * grids.quantize(grouped) + grids.minimum() - grouped).square() * importance
+        # summed one factor at a time: each sum then reduces in one order at any thread count (a parallel reduction of
+        # the whole could split a group's sum and flip a near tie)
+        error = torch.stack([per_factor.sum(-1) for per_factor in weighted])
         best = error.argmin(0, keepdim=True)  # the first of equal errors: 1.0 wins ties
         return cls(*(field.squeeze(-1).gather(0, best).squeeze(0) for field in grids))
 

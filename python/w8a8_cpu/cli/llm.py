@@ -5,7 +5,7 @@ round-to-nearest, W8A8 after SmoothQuant (int8 output layer and embedding sharin
 with the fp32 output layer, for comparison) and torch.ao dynamic int8 on another text: perplexity, KL divergence and
 top-1 agreement vs fp32, greedy generation from a chat prompt, weight bytes, prefill and decode speed. Perplexity,
 decode and prefill run every model through the same lean loop (w8a8_cpu.llm.decoder); transformers' generate is
-timed too, for fp32 and the job's model.
+timed too, for fp32 and W8A8 (SmoothQuant).
 Texts: both ship with Debian's base-files package (every Debian system has them), neither was written by us.
 - evaluation: the GNU GPL version 3 text (/usr/share/common-licenses/GPL-3; verbatim copying permitted);
 - calibration: the Apache License 2.0 text (/usr/share/common-licenses/Apache-2.0), a different document."""
@@ -46,7 +46,7 @@ SMOOTHQUANT_ALPHA = 0.6
 OUTPUT_SQ_ALPHA = 0.3
 KEEP_FLOAT = ["lm_head"]  # tied to the fp32 token embedding; the usual `ignore` of W8A8 checkpoints
 CHAT_PROMPT = "Write a short paragraph explaining why the sky is blue."
-TIMING_ROUNDS = 3  # decode and prefill: median of this many interleaved rounds
+TIMING_ROUNDS = 3  # decode (prefill when the perplexity windows do not time it): median of this many rounds
 
 FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "W8A8 (SQ, fp32 lm_head)",
                                    "torch.ao dynamic int8")
@@ -101,19 +101,22 @@ class WindowPrefillTimer:
     """A Decoder as compare_on_text scores it (a function (ids, last) -> logits), timing each window's prefill on the
     way: the forward pass over the window and its last position's logits (Decoder.prefill's work), the lm_head on the
     window's other scored positions after the clock. The perplexity loop runs the models one after the other on each
-    window, so these are interleaved rounds, one a window. `seconds`: one per window of `length` tokens."""
+    window, so these are interleaved rounds, one a window. `seconds`: one per window of `length` tokens after the
+    first."""
 
     def __init__(self, decoder: Decoder, length: int):
-        self.decoder, self.length, self.seconds = decoder, length, []
+        self.decoder, self.length, self.seconds, self.windows = decoder, length, [], 0
 
     def __call__(self, ids: torch.Tensor, last: int) -> torch.Tensor:
         t0 = time.perf_counter()
         hidden = self.decoder.hidden(ids)
-        final = self.decoder.lm_head(hidden[-1:])
+        final = self.decoder.head(hidden[-1:])
         seconds = time.perf_counter() - t0
         if ids.numel() == self.length:
-            self.seconds.append(seconds)
-        return torch.cat([self.decoder.lm_head(hidden[-last:-1]), final]) if last > 1 else final
+            self.windows += 1
+            if self.windows > 1:  # the first may allocate the decoder's cache: a warm-up
+                self.seconds.append(seconds)
+        return torch.cat([self.decoder.head(hidden[-last:-1]), final]) if last > 1 else final
 
 
 def lean_runs(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens: int,
@@ -121,9 +124,12 @@ def lean_runs(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens
     """Each model's greedy tokens (new_tokens after the chat prompt) and decode rate (those tokens, their prompt's
     prefill included, as evaluate.greedy counts it) through its Decoder, and its prefill time (the first token's
     logits after prefill_ids; None: not timed): medians of `rounds` rounds interleaving the models. Decode has no
-    warm-up round (~11 s of the job on 2 cores): the decoders have run the perplexity windows, and a median of three
-    rounds outvotes a slow first one. Every round must give the same tokens."""
+    warm-up round (~11 s of the job on 2 cores), only a two-token generation per model: the decoders have run the
+    perplexity windows (the prompt's shapes), and a median of three rounds outvotes a slow first one. Every round
+    must give the same tokens."""
     tokens: Dict[str, list] = {}
+    for decoder in decoders.values():  # the decode step's shapes (M = 1 GEMMs, the decode attention op) once
+        decoder.greedy(prompt_ids, 2)
 
     def decode(name: str, decoder: Decoder) -> None:
         out = decoder.greedy(prompt_ids, new_tokens)
@@ -211,11 +217,13 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     decoders = {name: Decoder(model) for name, model in models.items()} if prepare_w8a8 is None else {}
     timers = {name: WindowPrefillTimer(decoder, prefill_tokens) for name, decoder in decoders.items()}
     progress.step(f"perplexity, {n_windows} windows x {len(models)} models")
-    # through the lean loop where there is one: the path that decode is timed on (~12% less time than transformers'
-    # forward, the same function up to the last bits), timing the prefill of every window as long as prefill_tokens
+    # through the lean loop where there is one: the path that decode is timed on (the same function as transformers'
+    # forward up to the last bits; the loop takes ~8% less time), timing the prefill of every window as long as
+    # prefill_tokens
     accuracy = evaluate.compare_on_text(timers or models, FP32, eval_ids, window, stride,
                                         on_window=lambda i, n: progress.step(f"perplexity window {i}/{n}"))
-    prefill_in_windows = bool(timers) and all(timer.seconds for timer in timers.values())
+    # enough windows of prefill_tokens for a median (the default 4096 tokens: 14 after each model's first)
+    prefill_in_windows = bool(timers) and all(len(timer.seconds) >= TIMING_ROUNDS for timer in timers.values())
 
     prompt_ids = chat_prompt_ids(tokenizer)
     prefill_ids = eval_ids[:prefill_tokens] if prefill_tokens <= eval_ids.numel() else \
@@ -223,7 +231,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
     if on_inputs:
         on_inputs(prompt_ids, prefill_ids)
     # transformers' generate: the decode of every model without a lean loop; beside it, for the float reference and
-    # the job's model (what the lean loop gains; fp32 is not chaotic, so its lean tokens must be generate's)
+    # W8A8 (SmoothQuant) (what the lean loop gains; fp32 is not chaotic, so its lean tokens must be generate's)
     generating = [FP32, SQ] if decoders else list(models)
     progress.step(f"greedy generation, {new_tokens} tokens, {len(generating)} models (transformers generate)")
     generated = {name: evaluate.greedy(models[name], prompt_ids, new_tokens) for name in generating}
@@ -233,9 +241,10 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         if bench:
             progress.step(f"decode ({new_tokens} tokens){' and prefill' if prefill_rounds else ''} timing, "
                           f"{TIMING_ROUNDS} rounds")
-        # the perplexity windows ran every decoder at `window` tokens: a prefill that long needs no warm-up round
+        # the perplexity windows ran every decoder at up to `window` tokens: a prefill that long needs no warm-up round
         lean = lean_runs(decoders, prompt_ids, new_tokens, prefill_ids if prefill_rounds else None,
-                         TIMING_ROUNDS if bench else 1, prefill_warmup=int(prefill_tokens > window))
+                         TIMING_ROUNDS if bench else 1,
+                         prefill_warmup=int(prefill_tokens > min(window, eval_ids.numel())))
         if bench and prefill_in_windows:
             for name, timer in timers.items():
                 lean[name]["prefill_s"] = statistics.median(timer.seconds)
@@ -256,7 +265,7 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
                         "worst_outlier_after": max(i.outlier_after for i in smooth_report.inputs)},
         "chat_prompt": CHAT_PROMPT, "new_tokens": new_tokens, "prefill_tokens": prefill_tokens,
         "int8_output_layer": int8_output_layer, "lean_decode": bool(decoders),
-        "prefill_in_windows": bench and prefill_in_windows,
+        "bench": bench, "prefill_in_windows": bench and prefill_in_windows,
         "prefill_samples": len(timers[FP32].seconds) if bench and prefill_in_windows else TIMING_ROUNDS,
         "models": {},
     }
@@ -330,15 +339,19 @@ def print_report(result: dict) -> None:
               f" {m['weight_bytes'] / mib:6.1f} MiB {prefill:>8} {m['decode_tokens_per_s']:5.1f} tok/s"
               f" {generate:>11}")
     if lean:
-        prefill_runs = (f"the {result['prefill_samples']} perplexity windows (the models interleaved on each)"
-                        if result.get("prefill_in_windows") else f"{TIMING_ROUNDS} interleaved rounds")
+        if not result.get("bench", True):
+            timing = "one run; prefill: not timed (--no-bench)"
+        else:
+            prefill_runs = (f"the {result['prefill_samples']} perplexity windows of that length after the first (the "
+                            f"models interleaved on each)" if result.get("prefill_in_windows") else
+                            f"{TIMING_ROUNDS} interleaved rounds")
+            timing = (f"median of {TIMING_ROUNDS} interleaved rounds; prefill: time to the first token after "
+                      f"{result['prefill_tokens']} tokens, median of {prefill_runs}")
         print(f"  (ppl, KL, top-1, greedy, decode and prefill: every model through the lean decode loop "
               f"(w8a8_cpu.llm.decoder: static KV cache, fused projections); KL: mean KL(fp32 || model) per scored "
               f"token; top-1: next-token argmax equal to fp32's; greedy: tokens equal to fp32's generate before the "
-              f"first difference; decode: {n} greedy tokens, batch 1, prompt included, median of {TIMING_ROUNDS} "
-              f"interleaved rounds; prefill: time to the first token after {result['prefill_tokens']} tokens, "
-              f"median of {prefill_runs}; generate: the same {n} tokens through transformers' generate, one run, for "
-              f"fp32 and the job's model)")
+              f"first difference; decode: {n} greedy tokens, batch 1, prompt included, {timing}; generate: the same "
+              f"{n} tokens through transformers' generate, one run, for fp32 and {SQ})")
         if W4A8_ASYM in models:
             print(f"  (SQ/{W4A8_GROUP}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {W4A8_GROUP} "
                   f"input channels, round to nearest; SQ: alpha {result['smoothquant_alpha']} (W4A8 sym: "

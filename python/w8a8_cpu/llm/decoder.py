@@ -148,19 +148,20 @@ class Decoder:
         ids = _check_ids(ids, self.config.vocab_size)
         if not isinstance(last, int) or not 1 <= last <= ids.numel():
             raise ValueError(f"last: expected an int in [1, {ids.numel()}] (the positions of ids), got {last!r}")
-        with torch.inference_mode():
-            return self.lm_head(self._prompt(ids)[-last:])
+        return self.head(self.hidden(ids)[-last:])
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """The lm_head's input [T, hidden] at every position of ids [T] (one forward pass; the cache is reset):
-        logits(ids, last) is decoder.lm_head(decoder.hidden(ids)[-last:]) under inference_mode."""
+        logits(ids, last) is head(hidden(ids)[-last:])."""
         ids = _check_ids(ids, self.config.vocab_size)
-        with torch.inference_mode():
-            return self._prompt(ids)
-
-    def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
         self._allocate(ids.numel())
-        return self._forward(ids, 0)
+        with torch.inference_mode():
+            return self._forward(ids, 0)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head on rows [R, hidden] of hidden(ids) -> logits [R, vocab]."""
+        with torch.inference_mode():
+            return self.lm_head(hidden)
 
     def greedy(self, prompt_ids: torch.Tensor, new_tokens: int) -> List[int]:
         """Exactly new_tokens greedy tokens after prompt_ids [T] (no stop at an end token), each the argmax of the

@@ -35,8 +35,8 @@ def windows(n_tokens: int, window: int, stride: int) -> List[tuple]:
 
 
 def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder, LastLogits]], reference: str,
-                    ids: torch.Tensor, window: int = 512, stride: int = 256, on_window: Optional[Callable[[int, int], None]] = None
-                    ) -> Dict[str, dict]:
+                    ids: torch.Tensor, window: int = 512, stride: int = 256,
+                    on_window: Optional[Callable[[int, int], None]] = None) -> Dict[str, dict]:
     """Perplexity of every model on token ids [T], plus KL(reference || model) and top-1 agreement with
     `reference` (one of the names) on the same scored positions. A model is a causal LM module (its forward), a
     Decoder (its lean loop's forward) or a function (ids [T], last) -> the logits [last, vocab] of the last `last`

@@ -148,12 +148,15 @@ class Decoder:
         ids = _check_ids(ids, self.config.vocab_size)
         if not isinstance(last, int) or not 1 <= last <= ids.numel():
             raise ValueError(f"last: expected an int in [1, {ids.numel()}] (the positions of ids), got {last!r}")
-        return self.head(self.hidden(ids)[-last:])
+        return self.head(self._prompt(ids)[-last:])
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """The lm_head's input [T, hidden] at every position of ids [T] (one forward pass; the cache is reset):
         logits(ids, last) is head(hidden(ids)[-last:])."""
-        ids = _check_ids(ids, self.config.vocab_size)
+        return self._prompt(_check_ids(ids, self.config.vocab_size))
+
+    def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
+        """hidden() of ids already checked (logits checks them once)."""
         self._allocate(ids.numel())
         with torch.inference_mode():
             return self._forward(ids, 0)

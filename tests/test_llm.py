@@ -87,8 +87,11 @@ def test_smoothquant_w8a8_is_closer_to_fp32_than_rtn(smollm, smoothed):
 
 def test_int8_output_layer_holds_the_gate_and_the_lean_loop_follows_the_model(smollm, smoothed):
     """The job's W8A8 model (SmoothQuant, lm_head and embedding as one int8 table, fused projections): perplexity
-    within the gate, one int8 table instead of the fp32 one, and the lean decode loop's next-token argmax equal to the
-    model's own forward on nearly every prefix (statistical: W8A8 is chaotic in the last bits)."""
+    within the gate, one int8 table instead of the fp32 one, and the lean decode loop following the model's own
+    forward as closely as the model follows itself. W8A8 is chaotic in the last bits (per-token quantization): the
+    model's forward on input embeddings scaled by 1 + 1e-7 agrees with its unperturbed top-1 on only ~91-93% of
+    SmolLM2's positions, so the lean loop (other summation orders) is held to that level over 1022 positions (+-0.9%
+    at one sigma) and to the model's perplexity within 0.5% (the chaos moves it ~0.05%; a wrong layer, by percents)."""
     from w8a8_cpu.cli import llm as job
     from w8a8_cpu.llm import evaluate
     from w8a8_cpu.llm.decoder import Decoder
@@ -98,15 +101,13 @@ def test_int8_output_layer_holds_the_gate_and_the_lean_loop_follows_the_model(sm
     assert sq.model.embed_tokens.weight_packed is sq.lm_head.weight_packed
     assert evaluate.weight_bytes(sq) < 0.7 * evaluate.weight_bytes(
         w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT))
-    r = evaluate.compare_on_text({"fp32": model, "sq": sq}, "fp32", eval_ids, window=512, stride=512)
-    assert r["sq"]["ppl"] / r["fp32"]["ppl"] - 1 < job.PPL_GATE_PERCENT / 100 + 0.01, r
-    assert r["sq"]["top1_agreement"] > 0.9, r
-    decoder = Decoder(sq)
-    ends = range(32, 513, 32)
-    with torch.inference_mode():
-        agree = sum(int(decoder.prefill(eval_ids[:end]).argmax() == sq(eval_ids[:end].unsqueeze(0)).logits[0, -1].argmax())
-                    for end in ends)
-    assert agree >= len(ends) - 2, agree
+    ids = eval_ids[:1024]
+    r = evaluate.compare_on_text({"sq": sq, "lean": Decoder(sq)}, "sq", ids, window=512, stride=512)
+    fp32 = evaluate.compare_on_text({"fp32": model, "sq": sq}, "fp32", ids, window=512, stride=512)
+    assert fp32["sq"]["ppl"] / fp32["fp32"]["ppl"] - 1 < job.PPL_GATE_PERCENT / 100 + 0.01, fp32
+    assert fp32["sq"]["top1_agreement"] > 0.88, fp32
+    assert r["lean"]["scored_tokens"] == 1022 and r["lean"]["top1_agreement"] > 0.86, r
+    assert abs(r["lean"]["ppl"] / r["sq"]["ppl"] - 1) < 0.005, r
 
 
 ROUND_TRIP_CHILD = r"""

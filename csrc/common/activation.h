@@ -81,38 +81,39 @@ static float lane_max(const float* v, int64_t n) {
   return *std::max_element(lane, lane + kLanes);
 }
 
-// Softmax of one row of attention scores s[0, n) under a causal mask, in place: s[j] = exp(s[j] - max) / sum for
-// j < len (1 <= len <= n: the keys at or before the query's position; max and sum over those), s[j] = 0 beyond.
-// A NaN or Inf among the kept scores makes the row NaN, as torch's softmax does (exp_poly's clamp and the lane
-// maxima would otherwise pass over it and return weights that look valid).
-static void causal_softmax_row(float* s, int64_t len, int64_t n) {
-  if (std::isnan(lane_sum<false>(s, len, 0.f))) {
-    std::fill(s, s + len, std::numeric_limits<float>::quiet_NaN());
-    std::fill(s + len, s + n, 0.f);
-    return;
-  }
+// The numerators of a causal softmax over one row of attention scores s[0, n), in place: s[j] = exp(s[j] - max) for
+// j < len (1 <= len <= n: the keys at or before the query's position; max over those), s[j] = 0 beyond; returns their
+// sum (lane_reduce's order; >= 1, the maximum's own term). The caller divides the weighted sum of values by it once,
+// d outputs a row instead of len weights, and reads the row once less. A NaN or Inf among the kept scores makes the
+// row and the sum NaN, as torch's softmax does: each term adds s[j] * 0 (0 for a finite score, NaN otherwise), since
+// exp_poly's clamp and the lane maxima would pass over it and return weights that look valid.
+static float softmax_numerators_row(float* s, int64_t len, int64_t n) {
   const float max = lane_max(s, len);
-  for (int64_t j = 0; j < len; ++j) s[j] = exp_poly(s[j] - max);
-  const float inv = 1.f / lane_sum<false>(s, len);
-  for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+  const float sum = lane_reduce(len, [&](int64_t j) {
+    const float score = s[j];
+    return s[j] = exp_poly(score - max) + score * 0.f;
+  });
+  if (std::isnan(sum)) std::fill(s, s + len, std::numeric_limits<float>::quiet_NaN());
   std::fill(s + len, s + n, 0.f);
+  return sum;
 }
 
 // One query head's attention at one decode position (layer_ops.h's attend_one_position: the contract): the query
-// scaled, its dot products with the keys in lane_dot's order, causal_softmax_row over them, the values summed in key
-// order. d <= kMaxHeadDim; scores: `keys` floats of scratch.
+// scaled, its dot products with the keys in lane_dot's order, softmax_numerators_row over them, the values weighted by
+// them summed in key order, then divided by their sum. d <= kMaxHeadDim; scores: `keys` floats of scratch.
 static void attend_one_position_row(const float* q, const float* k, const float* v, int64_t keys, int64_t d,
                                     float scale, float* scores, float* out) {
   float query[kMaxHeadDim];
   for (int64_t e = 0; e < d; ++e) query[e] = q[e] * scale;
   for (int64_t j = 0; j < keys; ++j) scores[j] = lane_dot(query, k + j * d, d);
-  causal_softmax_row(scores, keys, keys);
+  const float inv = 1.f / softmax_numerators_row(scores, keys, keys);
   std::fill(out, out + d, 0.f);
   for (int64_t j = 0; j < keys; ++j) {
     const float p = scores[j];
     const float* vj = v + j * d;
     for (int64_t e = 0; e < d; ++e) out[e] += p * vj[e];
   }
+  for (int64_t e = 0; e < d; ++e) out[e] *= inv;
 }
 
 }  // namespace w8a8_cpu

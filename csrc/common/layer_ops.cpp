@@ -64,8 +64,8 @@ void attend_one_position(const MicroKernel& kernel, const float* q, const float*
                                                                                      out);
 }
 
-void causal_softmax(const MicroKernel& kernel, float* s, int64_t len, int64_t n) {
-  (kernel.causal_softmax ? kernel.causal_softmax : causal_softmax_row)(s, len, n);
+float softmax_numerators(const MicroKernel& kernel, float* s, int64_t len, int64_t n) {
+  return (kernel.softmax_numerators ? kernel.softmax_numerators : softmax_numerators_row)(s, len, n);
 }
 
 }  // namespace w8a8_cpu

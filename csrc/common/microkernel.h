@@ -88,10 +88,10 @@ struct MicroKernel {
   void (*int4_tile)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout layout,
                     int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) = nullptr;
 
-  // Optional: activation.h's silu_mul_row and causal_softmax_row compiled in the variant's TU, with its ISA (null:
+  // Optional: activation.h's silu_mul_row and softmax_numerators_row compiled in the variant's TU, with its ISA (null:
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
-  void (*causal_softmax)(float* s, int64_t len, int64_t n) = nullptr;
+  float (*softmax_numerators)(float* s, int64_t len, int64_t n) = nullptr;
   // Optional: activation.h's attend_one_position_row (one query head at one decode position; d <= kMaxHeadDim) in the
   // variant's ISA, likewise the same bits.
   void (*attend_one_position)(const float* q, const float* k, const float* v, int64_t keys, int64_t d, float scale,

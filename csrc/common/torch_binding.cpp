@@ -649,7 +649,8 @@ at::Tensor float_matrix(const float* data, int64_t rows, int64_t cols, int64_t l
 // GEMMs run inside the parallel region, one thread each, so the bits do not depend on the thread count; a prompt
 // that is a single task (one KV head, at most 64 positions) runs on the calling thread, whose at::mm may use
 // torch's intra-op threads. Each block: its query rows (scaled) into a contiguous copy, the scores by at::mm (torch's
-// fp32 GEMM), the causal softmax on them in place, at::mm with V.
+// fp32 GEMM), the causal softmax's numerators on them in place, at::mm with V, each output row divided by its
+// row's softmax sum.
 at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
     check_cpu(t, arg);
@@ -676,7 +677,7 @@ at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const a
   auto* op = out.data_ptr<float>();
   const MicroKernel& kernel = active_kernel();
   at::parallel_for(0, kv_heads * pairs, 1, [&](int64_t task0, int64_t task1) {
-    std::vector<float> query(rows_max * d), scores(rows_max * positions), result(rows_max * d);
+    std::vector<float> query(rows_max * d), scores(rows_max * positions), result(rows_max * d), sums(rows_max);
     for (int64_t task = task0; task < task1; ++task) {
       const int64_t g = task / pairs, pair = task % pairs;
       const float* kg = k.data_ptr<float>() + g * k.stride(0);
@@ -693,12 +694,16 @@ at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const a
         }
         at::Tensor s = float_matrix(scores.data(), rows, keys, keys);
         at::mm_out(s, float_matrix(query.data(), rows, d, d), float_matrix(kg, keys, d, d).t());
-        for (int64_t r = 0; r < rows; ++r) causal_softmax(kernel, scores.data() + r * keys, p0 + r / group + 1, keys);
+        for (int64_t r = 0; r < rows; ++r)
+          sums[r] = softmax_numerators(kernel, scores.data() + r * keys, p0 + r / group + 1, keys);
         at::Tensor o = float_matrix(result.data(), rows, d, d);
         at::mm_out(o, s, float_matrix(vg, keys, d, d));
-        for (int64_t i = 0; i < count; ++i)
-          std::memcpy(op + ((p0 + i) * heads + g * group) * d, result.data() + i * group * d,
-                      static_cast<size_t>(group * d) * 4);
+        // row r (position p0 + r / group, head g * group + r % group) divided by its softmax sum
+        for (int64_t r = 0; r < rows; ++r) {
+          const float inv = 1.f / sums[r];
+          float* dst = op + ((p0 + r / group) * heads + g * group + r % group) * d;
+          for (int64_t e = 0; e < d; ++e) dst[e] = result[r * d + e] * inv;
+        }
       }
     }
   });

@@ -273,7 +273,7 @@ const MicroKernel kAvx2Kernel = {
     /*a_excludes_int8_min=*/true,
     avx2_int4_tile,
     silu_mul_row,
-    causal_softmax_row,
+    softmax_numerators_row,
     attend_one_position_row,
     scale_tile,
     avx2_two_panel_rows,

@@ -162,7 +162,7 @@ const MicroKernel kAvx512VnniKernel = {
     /*a_excludes_int8_min=*/false,
     vnni_int4_tile,
     silu_mul_row,
-    causal_softmax_row,
+    softmax_numerators_row,
     attend_one_position_row,
     scale_tile,
 };

@@ -415,10 +415,11 @@ void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
     }
 }
 
-// The causal softmax of attention scores through the kernel (its ISA's copy of activation.h, when it has one) gives the
-// bits of the reference's baseline copy, with the masked tail zeroed, at lengths around the 16 lanes; and it is a
-// softmax: the kept entries sum to 1 within fp32 rounding and follow exp(s - max) / sum within exp_poly's 2e-7.
-void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
+// The causal softmax's numerators of attention scores through the kernel (its ISA's copy of activation.h, when it
+// has one) give the bits of the reference's baseline copy, sum included, with the masked tail zeroed, at lengths
+// around the 16 lanes; and they are a softmax's: divided by the returned sum they follow exp(s - max) / sum within
+// exp_poly's 2e-7 (-inf, -Inf and NaN scores: see below).
+void test_softmax_numerators_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> score(-30.f, 30.f);
   for (const int64_t n : {1, 15, 16, 17, 70, 512}) {
@@ -426,27 +427,28 @@ void test_causal_softmax_bits(const MicroKernel& kern, uint64_t seed) {
     std::vector<float> scores(n);
     for (float& v : scores) v = score(rng);
     std::vector<float> want = scores, got = scores;
-    causal_softmax(kRefKernel, want.data(), len, n);
-    causal_softmax(kern, got.data(), len, n);
-    CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0, "%s: causal_softmax differs from the reference's "
-          "(n = %lld)", kern.name, static_cast<long long>(n));
+    const float want_sum = softmax_numerators(kRefKernel, want.data(), len, n);
+    const float got_sum = softmax_numerators(kern, got.data(), len, n);
+    CHECK(std::memcmp(want.data(), got.data(), n * 4) == 0 && std::memcmp(&want_sum, &got_sum, 4) == 0,
+          "%s: softmax_numerators differs from the reference's (n = %lld)", kern.name, static_cast<long long>(n));
     const double max = *std::max_element(scores.begin(), scores.begin() + len);
     double sum = 0, worst = 0;
     for (int64_t j = 0; j < len; ++j) sum += std::exp(static_cast<double>(scores[j]) - max);
     for (int64_t j = 0; j < n; ++j) {
       const double exact = j < len ? std::exp(static_cast<double>(scores[j]) - max) / sum : 0.0;
-      worst = std::max(worst, std::fabs(got[j] - exact));
+      worst = std::max(worst, std::fabs(static_cast<double>(got[j]) / got_sum - exact));
     }
-    CHECK(worst < 2e-6, "%s: causal_softmax off by %g from exp(s - max) / sum (n = %lld)", kern.name, worst,
-          static_cast<long long>(n));
-    // a NaN or Inf among the kept scores: a NaN row (the masked tail still 0), in every copy
-    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    CHECK(worst < 2e-6, "%s: softmax_numerators / sum off by %g from exp(s - max) / sum (n = %lld)", kern.name,
+          worst, static_cast<long long>(n));
+    // a NaN, Inf or -Inf among the kept scores: a NaN row and sum (the masked tail still 0), in every copy
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity()}) {
       std::vector<float> poisoned = scores;
       poisoned[len - 1] = bad;
-      causal_softmax(kern, poisoned.data(), len, n);
-      bool ok = true;
+      const float poisoned_sum = softmax_numerators(kern, poisoned.data(), len, n);
+      bool ok = std::isnan(poisoned_sum);
       for (int64_t j = 0; j < n; ++j) ok = ok && (j < len ? std::isnan(poisoned[j]) : poisoned[j] == 0.f);
-      CHECK(ok, "%s: causal_softmax of a row holding %g is not NaN (n = %lld)", kern.name, bad,
+      CHECK(ok, "%s: softmax_numerators of a row holding %g is not NaN (n = %lld)", kern.name, bad,
             static_cast<long long>(n));
     }
   }
@@ -777,7 +779,7 @@ int run(int argc, char** argv) {
     test_shared_vectors(*kern);
     test_int4_shared_vectors(*kern);
     test_silu_mul_bits(*kern, seed);
-    test_causal_softmax_bits(*kern, seed);
+    test_softmax_numerators_bits(*kern, seed);
     test_attend_one_position_bits(*kern, seed);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);

@@ -64,7 +64,7 @@ def test_published_whole_readable_by_all_and_reused(root):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "marker FIFO", "marker /dev/zero", "marker deep",
-                                    "marker other key"])
+                                    "marker other key", "marker NUL name", "marker surrogate name"])
 def test_damaged_folder_is_rebuilt_once(root, damage):
     builder = Builder()
     folder = ensure(builder)
@@ -80,6 +80,10 @@ def test_damaged_folder_is_rebuilt_once(root, damage):
             os.symlink("/dev/zero", folder / cache.MARKER)
         elif damage == "marker deep":
             (folder / cache.MARKER).write_text("[" * 30000 + "]" * 30000)
+        elif damage.endswith(" name"):  # names the file system refuses (os.lstat: ValueError, not OSError)
+            name = "a\u0000b" if damage == "marker NUL name" else "a\udc80b"
+            files = {"config.json": 2, "model.safetensors": 100, name: 1}
+            (folder / cache.MARKER).write_text(json.dumps({"key": KEY, "files": files}))
         else:
             (folder / cache.MARKER).write_text(json.dumps({"key": {"format": 0}, "files": {}}))
     assert not cache.is_complete(folder, KEY, REQUIRED)

@@ -738,16 +738,20 @@ def test_wrong_typed_config_values_refused_naming_config(checkpoint, field, valu
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda c: c["rope_parameters"].update(rope_theta=-1), "rope_theta must be a number > 0, got -1"),
-    (lambda c: c["rope_parameters"].update(rope_theta=0.0), "rope_theta must be a number > 0, got 0.0"),
-    (lambda c: c.update(rope_theta="1e4"), "rope_theta must be a number > 0, got '1e4'"),
+    (lambda c: c["rope_parameters"].update(rope_theta=-1), "rope_theta must be a number >= 1, got -1"),
+    (lambda c: c["rope_parameters"].update(rope_theta=0.0), "rope_theta must be a number >= 1, got 0.0"),
+    (lambda c: c.update(rope_theta="1e4"), "rope_theta must be a number >= 1, got '1e4'"),
     (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps must be a number >= 0, got -1e-06"),
     (lambda c: c.update(rms_norm_eps=float("nan")), "'rms_norm_eps' must be a finite number, got nan"),
     (lambda c: c.update(initializer_range=float("inf")), "'initializer_range' must be a finite number, got inf"),
-], ids=["rope_theta<0", "rope_theta=0", "rope_theta_string", "eps<0", "eps_nan", "inf"])
+    (lambda c: c["rope_parameters"].update(rope_theta=1e-300), "rope_theta must be a number >= 1, got 1e-300"),
+    (lambda c: c["rope_parameters"].update(rope_type="linear", factor=0.0), "factor must be a number >= 1, got 0.0"),
+], ids=["rope_theta<0", "rope_theta=0", "rope_theta_string", "eps<0", "eps_nan", "inf", "rope_theta_tiny",
+        "rope_factor_0"])
 def test_config_numbers_out_of_their_range_refused(checkpoint, edit, message):
     """Values of the right type that would make the loaded model compute NaN logits (found by the fuzzer: a negative
-    rope_theta loaded and gave NaN), and non-finite numbers anywhere (Python's json reads NaN and Infinity)."""
+    rope_theta loaded and gave NaN; by a review: rope_theta 1e-300 and a linear rope factor of 0 too), and non-finite
+    numbers anywhere (Python's json reads NaN and Infinity)."""
     config = json.loads((checkpoint / "config.json").read_text())
     config.setdefault("rope_parameters", {"rope_theta": 10000.0, "rope_type": "default"})
     edit(config)
@@ -799,6 +803,81 @@ def test_exponential_regex_targets_refused(checkpoint, pattern):
     (checkpoint / "config.json").write_text(json.dumps(config))
     with deadline(), pytest.raises(ValueError, match=r"ignore entry .* repeats a group that itself repeats"):
         load_quantized(checkpoint)
+
+
+@pytest.mark.parametrize("entries,message", [
+    (["re:(?<=a+)lm_head"], "is not a valid regex (look-behind requires fixed-width pattern)"),
+    (["re:" + ".*" * 20 + "#"], "holds 20 repeats (* + {m,n}), which can take a long time to match"),
+    (["re:" + ".*" * 3 + f"x{i}" for i in range(3)], "holds too many `re:` entries with repeats"),
+], ids=["compiler-only error", "20 repeats in sequence", "three entries of three repeats"])
+def test_slow_or_uncompilable_regex_targets_refused(checkpoint, entries, message):
+    """A pattern only the compiler refuses is a ValueError naming config.json (it escaped as re.error), and repeats
+    in sequence are bounded: `.*` 20 times backtracks through ~C(len(name) + 20, 20) positions on a failed match (the
+    load never finished), so an entry holds at most 3 repeats and the list a bounded sum of that work."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["ignore"] = entries
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with deadline(), pytest.raises(ValueError, match=r"config.json quantization_config: ignore .*" + re.escape(message)):
+        load_quantized(checkpoint)
+
+
+def test_model_specific_size_names_are_bounded(checkpoint):
+    """GPT-2 names its layer count n_layer; transformers reads it as num_hidden_layers through the config's
+    attribute_map. 4000 of them passed the bound on num_hidden_layers (built for 21 s, +341 MiB, then failed on a
+    missing tensor; 10^6 would exhaust memory): the bound is checked on the built config, before any model."""
+    config = {"model_type": "gpt2", "n_layer": 4000, "n_embd": 32, "n_head": 4, "vocab_size": 256,
+              "quantization_config": json.loads((checkpoint / "config.json").read_text())["quantization_config"]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape("config.json: num_hidden_layers (or the model's own name for it) "
+                                                   "must be an integer in [1, 1024], got 4000")):
+        load_quantized(checkpoint)
+    assert time.monotonic() - start < 5
+
+
+def test_buffers_that_grow_with_the_config_are_bounded(checkpoint):
+    """GPT-Neo holds a bool causal mask of max_position_embeddings squared in every layer, given memory before any
+    tensor is read: 65536 positions would be 8 GiB for 2 layers. Refused from the meta model, naming the file."""
+    config = {"model_type": "gpt_neo", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256,
+              "attention_types": [[["global", "local"], 1]], "max_position_embeddings": 65536,
+              "quantization_config": json.loads((checkpoint / "config.json").read_text())["quantization_config"]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config.json: the gpt_neo model of this config holds 8\.0 GiB of buffers"):
+        load_quantized(checkpoint)
+
+
+@pytest.mark.parametrize("arch,change,message", [
+    ("llama-tied", {"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ("llama-tied", {"num_key_value_heads": 8}, "num_attention_heads (4) must be a multiple of num_key_value_heads (8)"),
+    ("qwen2_moe", {"num_experts_per_tok": 5}, "num_experts_per_tok (5) exceeds the 4 experts"),
+])
+def test_sizes_that_do_not_fit_together_refused(quantized, tmp_path, arch, change, message):
+    """Each size in range, together impossible: it loaded, and the first forward failed deep in transformers
+    (RuntimeError: size mismatch; selected index k out of range). Refused at load, naming config.json."""
+    save_compressed(quantized(arch), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=re.escape(f"config.json: {message}")):
+        load_quantized(tmp_path)
+
+
+@pytest.mark.parametrize("scheme,largest", [("w8a8", 128), ("w4a8", 15)])
+def test_scales_whose_weights_overflow_refused(tmp_path, scheme, largest):
+    """A weight scale of 3e38 is finite and > 0, but its weights (codes times it) are Inf in fp32 and every logit was
+    Inf: refused as a float checkpoint's Inf weight is, naming the tensor."""
+    model = quantize_model(float_model("llama-tied"), skip=["lm_head"], scheme=scheme,
+                           **({"group_size": 32} if scheme == "w4a8" else {}))
+    save_compressed(model, tmp_path)
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+
+    def huge(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[1] = 3e38
+
+    edit_tensors(tmp_path, huge)
+    with pytest.raises(ValueError, match=re.escape(f"tensor '{key}' holds a scale whose weights ({largest} x the "
+                                                   f"scale) overflow fp32")):
+        load_quantized(tmp_path)
 
 
 def test_many_or_long_targets_bounded(checkpoint):

@@ -2,6 +2,7 @@
 back; the alpha search; files readable by other users; bad options refused before any work."""
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -123,3 +124,32 @@ def test_quantize_command_refuses_bad_options_before_loading(tmp_path, argv, mes
     argv = [a.format(src=tmp_path / "src", tmp=tmp_path) for a in argv]
     r = quantize(*argv, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_quantize_command_refuses_a_broken_model_directory_in_one_line(tmp_path):
+    """What the directory holds is the user's input: a corrupt weight file, a config that breaks the model's
+    construction, a NaN weight and a calibration text too short each end in one line naming the problem, exit 2, no
+    traceback (each was a traceback: SafetensorError, ZeroDivisionError, the quantizer's ValueError not naming the
+    layer, the token count's ValueError)."""
+    _require_model()
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_checkpoint(tmp_path / "tiny")
+    common = ["--smoothquant", "none", "--calibration-tokens", "64", "--held-out-tokens", "32"]
+    cases = {name: Path(shutil.copytree(source, tmp_path / name)) for name in ("garbage", "heads", "nan")}
+    (cases["garbage"] / "model.safetensors").write_bytes(b"\xff" * 64)
+    config = json.loads((cases["heads"] / "config.json").read_text())
+    (cases["heads"] / "config.json").write_text(json.dumps({**config, "hidden_size": 0}))
+    tensors = load_file(str(cases["nan"] / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(cases["nan"] / "model.safetensors"), metadata={"format": "pt"})
+    short = tmp_path / "short.txt"
+    short.write_text("Three short words.")
+    expected = [(cases["garbage"], common, "cannot load"), (cases["heads"], common, "cannot load"),
+                (cases["nan"], common, "model.layers.1.mlp.up_proj.weight holds NaN or Inf values"),
+                (source, common + ["--calibration", short], "fewer than the 96 needed")]
+    for directory, options, message in expected:
+        r = quantize(directory, tmp_path / "out", *options, timeout=300)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "quantize: " in r.stderr, r.stderr
+        ours = [line for line in r.stderr.splitlines() if line.startswith("quantize: ")]  # (torch may warn too)
+        assert len(ours) == 1 and message in ours[0], r.stderr

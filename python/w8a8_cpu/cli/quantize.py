@@ -111,7 +111,7 @@ def check_arguments(args, parser) -> None:
 def _tokens(tokenizer, path: Path, count: int) -> torch.Tensor:
     ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
     if ids.numel() < count:
-        raise ValueError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
+        raise CommandError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
                          f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
     return ids[:count]
 
@@ -130,7 +130,7 @@ class CommandError(Exception):
 def run(args, parser) -> int:
     try:
         return _run(args, parser)
-    except CommandError as e:
+    except (CommandError, ValueError) as e:  # ValueError: the library's refusal of an input, naming it
         print(f"quantize: {e}", file=sys.stderr)
         return 2
 
@@ -155,9 +155,14 @@ def _run(args, parser) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").eval()
-    except (OSError, ValueError, KeyError) as e:
-        print(f"quantize: cannot load {args.model_dir} with transformers: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 - an untrusted directory: a corrupt weight file, a config that breaks
+        # the model's construction (0 heads: ZeroDivisionError), ... each is the directory's fault, reported as such
+        reason = " ".join(str(e).split())  # one line: transformers' messages span several
+        raise CommandError(f"cannot load {args.model_dir} with transformers ({type(e).__name__}: "
+                           f"{reason[:300]})") from None
+    not_finite = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if not_finite is not None:
+        raise CommandError(f"{args.model_dir}: {not_finite} holds NaN or Inf values; quantizing needs finite weights")
     ids = _tokens(tokenizer, args.calibration, args.calibration_tokens + args.held_out_tokens)
     calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
     rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field as dataclass_field
 
 try:  # the regex parser, to refuse patterns that backtrack exponentially
@@ -23,7 +24,7 @@ try:  # the regex parser, to refuse patterns that backtrack exponentially
 except ImportError:  # Python < 3.11
     import sre_parse as _re_parser
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -370,7 +371,7 @@ def _save_tokenizer(tokenizer, directory: Path) -> None:
     if not copied:
         raise ValueError(f"tokenizer: {source} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
     for name in copied:
-        (directory / name).write_bytes((source / name).read_bytes())
+        shutil.copyfile(source / name, directory / name)  # streamed: no whole file of the source in memory
 
 
 def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None,
@@ -525,6 +526,30 @@ def _check_fields(section: dict, known: Sequence[str], where: str, field: str) -
 # Bounds on a checkpoint's target lists: real ones name a few dozen layers or patterns.
 _MAX_NAMES = 1024
 _MAX_NAME_CHARS = 512
+# Every layer name is matched against every `re:` entry, and a failed match of an entry with k repeats can backtrack
+# through ~C(len(name) + k, k) positions: 0.5 us for k = 1 on a 59-character name, 6 us for k = 2, 135 us for k = 3,
+# 2.2 ms for k = 4. So an entry holds at most _MAX_REPEATS, and the entries of one list at most _MAX_MATCH_STEPS of
+# C(64 + k, k) together (1024 entries of one repeat each, or 61 of two, or 2 of three): a few ms a layer name at most.
+# (compressed-tensors' own presets use one or two entries of one or two repeats.)
+_MAX_REPEATS = 3
+_MAX_MATCH_STEPS = 1 << 17
+
+
+def _repeats(parsed) -> int:
+    """How many repeats (*, +, {m,n} with n > 1) a parsed regex holds. Each one a pattern holds in sequence multiplies
+    the backtracking a failed match can do by the name's length: k of them take ~len(name)^k / k! steps (`.*` twenty
+    times over a 30-character name never finishes)."""
+    count = 0
+    for op, arg in parsed:
+        if op in (_re_parser.MAX_REPEAT, _re_parser.MIN_REPEAT):
+            count += int(arg[1] > 1) + _repeats(arg[2])
+        elif op is _re_parser.BRANCH:
+            count += sum(_repeats(alternative) for alternative in arg[1])
+        elif op is _re_parser.SUBPATTERN:
+            count += _repeats(arg[-1])
+        elif op in (_re_parser.ASSERT, _re_parser.ASSERT_NOT):
+            count += _repeats(arg[1])
+    return count
 
 
 def _repeats_a_backtracker(parsed, repeated: bool = False) -> bool:
@@ -554,19 +579,32 @@ def _repeats_a_backtracker(parsed, repeated: bool = False) -> bool:
 
 def _check_names(value, where: str, field: str) -> Tuple[str, ...]:
     """A list of compressed-tensors targets (names, `re:` regexes, class names), bounded in count and length; each
-    regex must compile and must not nest repetition (a pattern that backtracks exponentially on a layer name would
-    hang the load)."""
+    regex must compile, must not nest repetition and may hold at most _MAX_REPEATS repeats, the list's regexes at most
+    _MAX_MATCH_STEPS together (a pattern that backtracks exponentially, or as a high power of the name's length, on a
+    layer name would hang the load)."""
     _require(isinstance(value, list) and all(isinstance(v, str) for v in value), where, field, value,
              "expected a list of strings")
     _require(len(value) <= _MAX_NAMES, where, f"{field} length", len(value), f"at most {_MAX_NAMES} entries")
+    steps = 0
     for target in value:
         _require(len(target) <= _MAX_NAME_CHARS, where, f"{field} entry", target,
                  f"at most {_MAX_NAME_CHARS} characters")
         if target.startswith("re:"):
             try:
                 parsed = _re_parser.parse(target[3:])
+                re.compile(target[3:])  # what the parser lets through and the compiler refuses (look-behinds)
             except (re.error, RecursionError, OverflowError) as e:
                 raise ValueError(f"{where}: {field} entry {_echo(target)} is not a valid regex ({e})") from None
+            repeats = _repeats(parsed)
+            if repeats > _MAX_REPEATS:
+                raise ValueError(f"{where}: {field} entry {_echo(target)} holds {repeats} repeats (* + {{m,n}}), "
+                                 f"which can take a long time to match a layer name; at most {_MAX_REPEATS} (e.g. "
+                                 f"re:.*q_proj)")
+            steps += math.comb(64 + repeats, repeats)
+            if steps > _MAX_MATCH_STEPS:
+                raise ValueError(f"{where}: {field} holds too many `re:` entries with repeats to match every layer "
+                                 f"name against them in reasonable time (at most {_MAX_MATCH_STEPS} of C(64 + "
+                                 f"repeats, repeats) in all: 1024 entries of one repeat, 61 of two, 2 of three)")
             if _repeats_a_backtracker(parsed):
                 raise ValueError(f"{where}: {field} entry {_echo(target)} repeats a group that itself repeats or "
                                  f"alternates, which can take exponential time to match; write it without nested "
@@ -842,6 +880,14 @@ class _StoredTensors:
             raise ValueError(f"{self._where(key)} holds NaN or Inf values (as {str(dtype).removeprefix('torch.')})")
         return tensor
 
+    def check_weight_range(self, key: str, scale: torch.Tensor, largest_code: int) -> None:
+        """The weights a scale describes (codes up to largest_code in magnitude, times the scale) finite in fp32, as
+        a float checkpoint's weights must be: a scale of 3e38 is finite, its weights are not, and every logit would
+        be Inf."""
+        if not torch.isfinite(scale * largest_code).all():
+            raise ValueError(f"{self._where(key)} holds a scale whose weights ({largest_code} x the scale) overflow "
+                             f"fp32")
+
     def scale(self, key: str, channels: int, strategy: str, rows: Optional[slice] = None) -> torch.Tensor:
         """fp32 weight scales of the `channels` output channels, or of their part `rows`, stored [n, 1] or [n]
         (n = channels, or 1 for a per-tensor scale, which is broadcast exactly to every channel), each finite and
@@ -852,6 +898,7 @@ class _StoredTensors:
         scale = self._take(key, tuple(_FLOAT_DTYPES), shapes, f"{strategy} weight scales", index).to(torch.float32)
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
+        self.check_weight_range(key, scale, 128)
         kept = channels if rows is None else len(range(channels)[rows])
         return scale.reshape(-1).expand(kept).contiguous()
 
@@ -909,6 +956,7 @@ class _Loader:
             if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
                 raise ValueError(f"{self.tensors._where(f'{layer}.weight')} holds values outside int4's [-8, 7]")
         scale = self.tensors.floating(f"{layer}.weight_scale", [n, groups], torch.float32)
+        self.tensors.check_weight_range(f"{layer}.weight_scale", scale, 15)  # |code - zero point| <= 15
         minimum = None
         if not args.symmetric:
             key = f"{layer}.weight_zero_point"
@@ -1065,9 +1113,10 @@ _CONFIG_FLAGS = ("tie_word_embeddings",)
 
 
 # Numbers the model's arithmetic needs in a range, at any depth of config.json (rope_theta also sits in rope_parameters,
-# per layer type in some models): out of it, a loaded model computes NaN logits (a negative rope_theta raised to
-# fractional powers, a negative epsilon under a square root).
-_CONFIG_POSITIVE = ("rope_theta",)
+# per layer type in some models): out of it, a loaded model computes NaN logits (a rope_theta below 1 raised to
+# fractional powers, 1e-300 overflowing the frequencies to Inf; a rope scaling factor of 0 dividing them; a negative
+# epsilon under a square root). transformers' own rope validation asks factor >= 1 too (it only warns).
+_CONFIG_AT_LEAST_ONE = ("rope_theta", "factor")
 _CONFIG_NON_NEGATIVE = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
 
 
@@ -1087,10 +1136,37 @@ def _check_config_numbers(config_dict: dict, where: str) -> None:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{where}: {_echo(key)} must be a finite number, got {_echo(value)}")
             number = type(value) in (int, float)
-            if key in _CONFIG_POSITIVE and not (number and value > 0):
-                raise ValueError(f"{where}: {key} must be a number > 0, got {_echo(value)}")
+            if key in _CONFIG_AT_LEAST_ONE and not (number and value >= 1):
+                raise ValueError(f"{where}: {key} must be a number >= 1, got {_echo(value)}")
             if key in _CONFIG_NON_NEGATIVE and not (number and value >= 0):
                 raise ValueError(f"{where}: {key} must be a number >= 0, got {_echo(value)}")
+
+
+def _check_config_sizes(value_of: Callable[[str], object], where: str, alias: str = "") -> None:
+    """The _CONFIG_SIZES of a config (value_of(key): the file's field, or the built config's attribute, which
+    transformers also reads from a model's own name for it, e.g. GPT-2's n_layer)."""
+    for key, bound in _CONFIG_SIZES.items():
+        value = value_of(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= bound):
+            raise ValueError(f"{where}: {key}{alias} must be an integer in [1, {bound}], got {_echo(value)}")
+
+
+def _check_config_consistency(config, where: str) -> None:
+    """Sizes each in range but not fitting together, which would load and then fail in the first forward, deep in
+    transformers: query heads in groups over the KV heads, hidden_size split over the heads when head_dim is not
+    given, at most as many experts per token as experts."""
+    size = lambda key: getattr(config, key, None)  # noqa: E731 - the attribute or None, as _check_config_sizes reads
+    heads, kv_heads, hidden = size("num_attention_heads"), size("num_key_value_heads"), size("hidden_size")
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads})")
+    if heads and hidden and size("head_dim") is None and hidden % heads:
+        raise ValueError(f"{where}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) when "
+                         f"head_dim is not given")
+    experts = size("num_local_experts") or size("num_experts")
+    per_token = size("num_experts_per_tok")
+    if experts and per_token and per_token > experts:
+        raise ValueError(f"{where}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
 
 
 def _json_kind(value) -> str:
@@ -1105,10 +1181,7 @@ def _check_config_values(config_dict: dict, defaults: dict, where: str) -> None:
     """Sizes and flags checked first (type and range), then every field against the type of the config class's
     default for it (null is always allowed: it means unset): transformers accepts many wrongly typed values and fails
     later, deep in model code, without naming the file."""
-    for key, bound in _CONFIG_SIZES.items():
-        value = config_dict.get(key)
-        if value is not None and (type(value) is not int or not 1 <= value <= bound):
-            raise ValueError(f"{where}: {key} must be an integer in [1, {bound}], got {_echo(value)}")
+    _check_config_sizes(config_dict.get, where)
     for key in _CONFIG_FLAGS:
         if key in config_dict and type(config_dict[key]) is not bool:
             raise ValueError(f"{where}: {key} must be true or false, got {_echo(config_dict[key])}")
@@ -1166,6 +1239,10 @@ def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
         config = CONFIG_MAPPING[model_type].from_dict(architecture)
     except Exception as e:  # noqa: BLE001 - parsing an untrusted file (huggingface_hub's validation errors too)
         raise ValueError(f"{where}: not a valid {model_type} config ({type(e).__name__}: {_echo(str(e))})") from None
+    # the same bounds on what the model will read: a model's own names for the sizes (n_layer, n_embd, num_layers, ...)
+    # reach them through the config class's attribute_map, past the file's field names checked above
+    _check_config_sizes(lambda key: getattr(config, key, None), where, " (or the model's own name for it)")
+    _check_config_consistency(config, where)
     if dtype is None:
         stored = config_dict.get("dtype", config_dict.get("torch_dtype")) or "float32"
         if not isinstance(stored, str) or stored not in _MODEL_DTYPES:
@@ -1176,24 +1253,48 @@ def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
     return config, dtype
 
 
-def _empty_model(config, dtype: torch.dtype):
+_MAX_BUFFER_BYTES = 1 << 30  # a model's non-parameter tensors (masks, rotary tables): tens of MiB in real models
+
+
+def _empty_model(config, dtype: torch.dtype, where: str):
     """The causal LM of `config` with every parameter on the meta device, so that no float weight is ever allocated,
     and real buffers. This is transformers' own from_pretrained path: build on meta, then give each buffer real
-    storage and let the model's _init_weights compute it (rotary inv_freq and the like)."""
+    storage and let the model's _init_weights compute it (rotary inv_freq and the like). Errors name `where`."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    owners = set()
-    for name, buffer in list(model.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        module = model.get_submodule(owner)
-        module.register_buffer(leaf, torch.empty_like(buffer, device="cpu"),
-                               persistent=leaf not in module._non_persistent_buffers_set)
-        owners.add(owner)
-    for owner in owners:
-        model._init_weights(model.get_submodule(owner))
-    return model
+    def building(step):
+        try:
+            return step()
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError, AssertionError) as e:
+            raise ValueError(f"{where}: no causal LM can be built from it ({type(e).__name__}: "
+                             f"{_echo(str(e))})") from None
+
+    def on_meta():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    model = building(on_meta)
+    # Buffers get real memory before any tensor is read, and some grow with the config's sizes (GPT-Neo's causal
+    # mask: max_position_embeddings squared, per layer): their total is bounded first.
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    if buffer_bytes > _MAX_BUFFER_BYTES:
+        raise ValueError(f"{where}: the {config.model_type} model of this config holds {buffer_bytes / 2 ** 30:.1f} "
+                         f"GiB of buffers (e.g. attention masks of max_position_embeddings squared); at most "
+                         f"{_MAX_BUFFER_BYTES >> 30} GiB")
+
+    def with_real_buffers():
+        owners = set()
+        for name, buffer in list(model.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            module.register_buffer(leaf, torch.empty_like(buffer, device="cpu"),
+                                   persistent=leaf not in module._non_persistent_buffers_set)
+            owners.add(owner)
+        for owner in owners:
+            model._init_weights(model.get_submodule(owner))
+        return model
+
+    return building(with_real_buffers)
 
 
 def load_quantized(directory: PathLike, dtype: Optional[torch.dtype] = None, fuse: bool = False,
@@ -1256,11 +1357,7 @@ def _load(directory: PathLike, dtype: Optional[torch.dtype], plan=None):
     with contextlib.ExitStack() as stack:
         tensors = _StoredTensors(directory, stack)
         _check_against_headers(config, list(tensors.unused), str(config_file))
-        try:
-            model = _empty_model(config, dtype)
-        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError, RuntimeError, AssertionError) as e:
-            raise ValueError(f"{config_file}: no causal LM can be built from it ({type(e).__name__}: "
-                             f"{_echo(str(e))})") from None
+        model = _empty_model(config, dtype, str(config_file))
         shards = None if plan is None else plan(model, tensors.headers())
         linear_shards, expert_shards = ({}, {}) if shards is None else (shards.linears, shards.experts)
         loader = _Loader(model, tensors, scheme)

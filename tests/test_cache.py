@@ -81,7 +81,7 @@ def test_damaged_folder_is_rebuilt_once(root, damage):
         elif damage == "marker deep":
             (folder / cache.MARKER).write_text("[" * 30000 + "]" * 30000)
         elif damage.endswith(" name"):  # names the file system refuses (os.lstat: ValueError, not OSError)
-            name = "a\u0000b" if damage == "marker NUL name" else "a\udc80b"
+            name = "a\u0000b" if damage == "marker NUL name" else "a\ud800b"  # (\udc80 is a valid byte there)
             files = {"config.json": 2, "model.safetensors": 100, name: 1}
             (folder / cache.MARKER).write_text(json.dumps({"key": KEY, "files": files}))
         else:

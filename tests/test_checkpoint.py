@@ -808,12 +808,16 @@ def test_exponential_regex_targets_refused(checkpoint, pattern):
 @pytest.mark.parametrize("entries,message", [
     (["re:(?<=a+)lm_head"], "is not a valid regex (look-behind requires fixed-width pattern)"),
     (["re:" + ".*" * 20 + "#"], "holds 20 repeats (* + {m,n}), which can take a long time to match"),
-    (["re:" + ".*" * 3 + f"x{i}" for i in range(3)], "holds too many `re:` entries with repeats"),
-], ids=["compiler-only error", "20 repeats in sequence", "three entries of three repeats"])
+    (["re:(?>" + ".*" * 12 + "#)"], "holds 12 repeats"),
+    (["re:(a)?(?(1)" + ".*" * 12 + "#|x)"], "holds 12 repeats"),
+    (["re:" + ".*" * 3 + f"x{i}" for i in range(22)], "holds too many `re:` entries with repeats"),
+], ids=["compiler-only error", "20 repeats in sequence", "in an atomic group", "in a conditional group",
+        "22 entries of three repeats"])
 def test_slow_or_uncompilable_regex_targets_refused(checkpoint, entries, message):
     """A pattern only the compiler refuses is a ValueError naming config.json (it escaped as re.error), and repeats
     in sequence are bounded: `.*` 20 times backtracks through ~C(len(name) + 20, 20) positions on a failed match (the
-    load never finished), so an entry holds at most 3 repeats and the list a bounded sum of that work."""
+    load never finished), so an entry holds at most 3 repeats and the list a bounded sum of that work, counted inside
+    atomic and conditional groups too (they passed the first version of the check)."""
     config = json.loads((checkpoint / "config.json").read_text())
     config["quantization_config"]["ignore"] = entries
     (checkpoint / "config.json").write_text(json.dumps(config))
@@ -821,18 +825,36 @@ def test_slow_or_uncompilable_regex_targets_refused(checkpoint, entries, message
         load_quantized(checkpoint)
 
 
+def test_real_world_regex_targets_load(checkpoint):
+    """Targets as published checkpoints write them pass the bounds: alternatives count as the longest one (they are
+    tried one after another), a fixed {n} is no repeat, and three entries of three repeats are well within the sum."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"]["ignore"] = [
+        "lm_head", "re:.*vision_tower.*|.*multi_modal_projector.*|.*lm_head", "re:.*layers\\.\\d{2}\\.mlp\\.gate$",
+        *[f"re:.*layers\\.\\d+\\..*(w[1-3]|gate_proj|up_proj|down_proj){i}$" for i in range(3)]]
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with deadline():
+        load_quantized(checkpoint)
+
+
 def test_model_specific_size_names_are_bounded(checkpoint):
     """GPT-2 names its layer count n_layer; transformers reads it as num_hidden_layers through the config's
     attribute_map. 4000 of them passed the bound on num_hidden_layers (built for 21 s, +341 MiB, then failed on a
-    missing tensor; 10^6 would exhaust memory): the bound is checked on the built config, before any model."""
+    missing tensor; 10^6 would exhaust memory): the bound holds under the model's own name too, before any model."""
     config = {"model_type": "gpt2", "n_layer": 4000, "n_embd": 32, "n_head": 4, "vocab_size": 256,
               "quantization_config": json.loads((checkpoint / "config.json").read_text())["quantization_config"]}
     (checkpoint / "config.json").write_text(json.dumps(config))
     start = time.monotonic()
-    with pytest.raises(ValueError, match=re.escape("config.json: num_hidden_layers (or the model's own name for it) "
-                                                   "must be an integer in [1, 1024], got 4000")):
+    with pytest.raises(ValueError, match=re.escape("config.json: n_layer (num_hidden_layers) must be an integer in "
+                                                   "[1, 1024] (or a list of them), got 4000")):
         load_quantized(checkpoint)
     assert time.monotonic() - start < 5
+    # GPT-Neo's attention_types expand to their counts of layers in the config's constructor (10^9: a long loop)
+    config = {"model_type": "gpt_neo", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256,
+              "attention_types": [[["global"], 10 ** 9]], "quantization_config": config["quantization_config"]}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with deadline(), pytest.raises(ValueError, match=r"config.json: attention_types must be \[\[kinds, count\], "):
+        load_quantized(checkpoint)
 
 
 def test_buffers_that_grow_with_the_config_are_bounded(checkpoint):

@@ -101,11 +101,10 @@ def test_int8_output_layer_holds_the_gate_and_the_lean_loop_follows_the_model(sm
     assert sq.model.embed_tokens.weight_packed is sq.lm_head.weight_packed
     assert evaluate.weight_bytes(sq) < 0.7 * evaluate.weight_bytes(
         w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT))
-    ids = eval_ids[:1024]
-    r = evaluate.compare_on_text({"sq": sq, "lean": Decoder(sq)}, "sq", ids, window=512, stride=512)
-    fp32 = evaluate.compare_on_text({"fp32": model, "sq": sq}, "fp32", ids, window=512, stride=512)
+    fp32 = evaluate.compare_on_text({"fp32": model, "sq": sq}, "fp32", eval_ids, window=512, stride=512)
     assert fp32["sq"]["ppl"] / fp32["fp32"]["ppl"] - 1 < job.PPL_GATE_PERCENT / 100 + 0.01, fp32
-    assert fp32["sq"]["top1_agreement"] > 0.88, fp32
+    assert fp32["sq"]["top1_agreement"] > 0.9, fp32
+    r = evaluate.compare_on_text({"sq": sq, "lean": Decoder(sq)}, "sq", eval_ids[:1024], window=512, stride=512)
     assert r["lean"]["scored_tokens"] == 1022 and r["lean"]["top1_agreement"] > 0.86, r
     assert abs(r["lean"]["ppl"] / r["sq"]["ppl"] - 1) < 0.005, r
 

@@ -84,9 +84,10 @@ static float lane_max(const float* v, int64_t n) {
 // The numerators of a causal softmax over one row of attention scores s[0, n), in place: s[j] = exp(s[j] - max) for
 // j < len (1 <= len <= n: the keys at or before the query's position; max over those), s[j] = 0 beyond; returns their
 // sum (lane_reduce's order; >= 1, the maximum's own term). The caller divides the weighted sum of values by it once,
-// d outputs a row instead of len weights, and reads the row once less. A NaN or Inf among the kept scores makes the
-// row and the sum NaN, as torch's softmax does: each term adds s[j] * 0 (0 for a finite score, NaN otherwise), since
-// exp_poly's clamp and the lane maxima would pass over it and return weights that look valid.
+// d outputs a row instead of len weights, and reads the row once less. Any non-finite kept score (NaN, Inf, -Inf)
+// makes the row and the sum NaN (torch's softmax does so for NaN and Inf; a -Inf score it weighs 0): each term adds
+// s[j] * 0 (0 for a finite score, NaN otherwise), since exp_poly's clamp and the lane maxima would pass over it and
+// return weights that look valid.
 static float softmax_numerators_row(float* s, int64_t len, int64_t n) {
   const float max = lane_max(s, len);
   const float sum = lane_reduce(len, [&](int64_t j) {

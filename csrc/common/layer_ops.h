@@ -30,8 +30,8 @@ void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* 
 // One query head's attention at one decode position: out[0, d) = sum over keys j < keys of p_j * v[j], with
 // p = softmax(scale * q . k[j]) (rows of k and v d floats apart; 1 <= keys, d <= kMaxHeadDim; scores: `keys` floats
 // of scratch). The dot products in lane_dot's fixed order, the softmax as the prompt attention's (softmax_numerators:
-// a NaN or Inf score makes the head's output NaN), the weighted sum in key order: the same bits on every thread, in
-// the kernel's ISA where it has a copy (activation.h's attend_one_position_row).
+// a non-finite score makes the head's output NaN), the weighted sum in key order divided by the numerators' sum: the
+// same bits on every thread, in the kernel's ISA where it has a copy (activation.h's attend_one_position_row).
 void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
                          int64_t d, float scale, float* scores, float* out);
 

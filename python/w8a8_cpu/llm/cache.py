@@ -118,12 +118,11 @@ def is_complete(folder: Path, key: dict, required: Iterable[str]) -> bool:
     if not set(required) <= set(files):
         return False
     for name, size in files.items():
-        if not isinstance(name, str) or "/" in name or "\0" in name or name in (".", "..") or \
-                not isinstance(size, int):
+        if not isinstance(name, str) or "/" in name or name in (".", "..") or not isinstance(size, int):
             return False
         try:
             info = os.lstat(folder / name)
-        except (OSError, ValueError):  # ValueError: a name the file system cannot take (a lone surrogate)
+        except (OSError, ValueError):  # ValueError: a name no file can have (a NUL, a lone high surrogate)
             return False
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             return False

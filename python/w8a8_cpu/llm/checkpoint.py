@@ -529,51 +529,63 @@ _MAX_NAME_CHARS = 512
 # Every layer name is matched against every `re:` entry, and a failed match of an entry with k repeats can backtrack
 # through ~C(len(name) + k, k) positions: 0.5 us for k = 1 on a 59-character name, 6 us for k = 2, 135 us for k = 3,
 # 2.2 ms for k = 4. So an entry holds at most _MAX_REPEATS, and the entries of one list at most _MAX_MATCH_STEPS of
-# C(64 + k, k) together (1024 entries of one repeat each, or 61 of two, or 2 of three): a few ms a layer name at most.
+# C(64 + k, k) together (1024 entries of one repeat each, or 488 of two, or 21 of three): a few ms a layer name at
+# most.
 # (compressed-tensors' own presets use one or two entries of one or two repeats.)
 _MAX_REPEATS = 3
-_MAX_MATCH_STEPS = 1 << 17
+_MAX_MATCH_STEPS = 1 << 20
+
+
+_BACKTRACKING_REPEATS = (_re_parser.MAX_REPEAT, _re_parser.MIN_REPEAT)
+# Python 3.11's possessive repeats and atomic groups (a sentinel before: the parser has no such items there)
+_POSSESSIVE_REPEAT = getattr(_re_parser, "POSSESSIVE_REPEAT", object())
+_ATOMIC_GROUP = getattr(_re_parser, "ATOMIC_GROUP", object())
+_ALTERNATIVES = (_re_parser.BRANCH, _re_parser.GROUPREF_EXISTS)  # tried one after another
+
+
+def _parts(op, arg) -> list:
+    """The parsed sub-patterns one item of a parsed regex holds (none for a leaf). An item of another kind holding a
+    sub-pattern is refused: the checks below must see every part a matcher can backtrack in."""
+    if op in _BACKTRACKING_REPEATS or op is _POSSESSIVE_REPEAT:
+        return [arg[2]]
+    if op is _re_parser.BRANCH:
+        return list(arg[1])
+    if op is _re_parser.GROUPREF_EXISTS:  # (?(group)yes|no)
+        return [part for part in arg[1:] if part is not None]
+    if op is _re_parser.SUBPATTERN:
+        return [arg[-1]]
+    if op in (_re_parser.ASSERT, _re_parser.ASSERT_NOT):
+        return [arg[1]]
+    if op is _ATOMIC_GROUP:
+        return [arg]
+    if any(isinstance(x, _re_parser.SubPattern) for x in (arg if isinstance(arg, tuple) else (arg,))):
+        raise ValueError(f"a regex construct these checks do not know ({op})")
+    return []
 
 
 def _repeats(parsed) -> int:
-    """How many repeats (*, +, {m,n} with n > 1) a parsed regex holds. Each one a pattern holds in sequence multiplies
-    the backtracking a failed match can do by the name's length: k of them take ~len(name)^k / k! steps (`.*` twenty
-    times over a 30-character name never finishes)."""
+    """How many variable repeats (*, +, {m,n} with m < n, n > 1) a parsed regex holds in sequence, the most of any
+    alternative (alternatives are tried one after another). Each one multiplies the backtracking a failed match can do
+    by the name's length: k of them take ~len(name)^k / k! steps (`.*` twenty times over a 30-character name never
+    finishes). Possessive repeats and atomic groups are not backtracked into, but their parts are while they match."""
     count = 0
     for op, arg in parsed:
-        if op in (_re_parser.MAX_REPEAT, _re_parser.MIN_REPEAT):
-            count += int(arg[1] > 1) + _repeats(arg[2])
-        elif op is _re_parser.BRANCH:
-            count += sum(_repeats(alternative) for alternative in arg[1])
-        elif op is _re_parser.SUBPATTERN:
-            count += _repeats(arg[-1])
-        elif op in (_re_parser.ASSERT, _re_parser.ASSERT_NOT):
-            count += _repeats(arg[1])
+        count += max((_repeats(part) for part in _parts(op, arg)), default=0)
+        if op in _BACKTRACKING_REPEATS and arg[1] > 1 and arg[0] != arg[1]:
+            count += 1
     return count
 
 
 def _repeats_a_backtracker(parsed, repeated: bool = False) -> bool:
     """Whether a parsed regex repeats (*, +, {m,n} with n > 1) a part that itself repeats or alternates: the shapes
-    (`(a+)+`, `(a|a)*`) on which a backtracking matcher takes exponential time."""
+    (`(a+)+`, `(a|a)*`) on which a backtracking matcher takes exponential time. (A possessive repeat is not
+    backtracked into: what it repeats is not `repeated`.)"""
     for op, arg in parsed:
-        if op in (_re_parser.MAX_REPEAT, _re_parser.MIN_REPEAT):  # (possessive repeats never backtrack into)
-            _, most, body = arg
-            many = most > 1
-            if many and repeated:
-                return True
-            if _repeats_a_backtracker(body, repeated or many):
-                return True
-        elif op is _re_parser.BRANCH:
-            if repeated:
-                return True
-            if any(_repeats_a_backtracker(alternative, repeated) for alternative in arg[1]):
-                return True
-        elif op is _re_parser.SUBPATTERN:
-            if _repeats_a_backtracker(arg[-1], repeated):
-                return True
-        elif op in (_re_parser.ASSERT, _re_parser.ASSERT_NOT):
-            if _repeats_a_backtracker(arg[1], repeated):
-                return True
+        many = op in _BACKTRACKING_REPEATS and arg[1] > 1
+        if (many or op in _ALTERNATIVES) and repeated:
+            return True
+        if any(_repeats_a_backtracker(part, repeated or many) for part in _parts(op, arg)):
+            return True
     return False
 
 
@@ -593,9 +605,9 @@ def _check_names(value, where: str, field: str) -> Tuple[str, ...]:
             try:
                 parsed = _re_parser.parse(target[3:])
                 re.compile(target[3:])  # what the parser lets through and the compiler refuses (look-behinds)
-            except (re.error, RecursionError, OverflowError) as e:
+                repeats = _repeats(parsed)
+            except (re.error, RecursionError, OverflowError, ValueError) as e:
                 raise ValueError(f"{where}: {field} entry {_echo(target)} is not a valid regex ({e})") from None
-            repeats = _repeats(parsed)
             if repeats > _MAX_REPEATS:
                 raise ValueError(f"{where}: {field} entry {_echo(target)} holds {repeats} repeats (* + {{m,n}}), "
                                  f"which can take a long time to match a layer name; at most {_MAX_REPEATS} (e.g. "
@@ -604,7 +616,7 @@ def _check_names(value, where: str, field: str) -> Tuple[str, ...]:
             if steps > _MAX_MATCH_STEPS:
                 raise ValueError(f"{where}: {field} holds too many `re:` entries with repeats to match every layer "
                                  f"name against them in reasonable time (at most {_MAX_MATCH_STEPS} of C(64 + "
-                                 f"repeats, repeats) in all: 1024 entries of one repeat, 61 of two, 2 of three)")
+                                 f"repeats, repeats) in all: 1024 entries of one repeat, 488 of two, 21 of three)")
             if _repeats_a_backtracker(parsed):
                 raise ValueError(f"{where}: {field} entry {_echo(target)} repeats a group that itself repeats or "
                                  f"alternates, which can take exponential time to match; write it without nested "
@@ -1142,31 +1154,49 @@ def _check_config_numbers(config_dict: dict, where: str) -> None:
                 raise ValueError(f"{where}: {key} must be a number >= 0, got {_echo(value)}")
 
 
-def _check_config_sizes(value_of: Callable[[str], object], where: str, alias: str = "") -> None:
-    """The _CONFIG_SIZES of a config (value_of(key): the file's field, or the built config's attribute, which
-    transformers also reads from a model's own name for it, e.g. GPT-2's n_layer)."""
+def _config_field(config_dict: dict, key: str, aliases: Dict[str, str]):
+    """(name, value) of a size in config.json under the model's own name for it when the config class has one (its
+    attribute_map: GPT-2's n_layer is num_hidden_layers, Hunyuan's moe_topk num_experts_per_tok), else under key."""
+    name = aliases.get(key, key)
+    if not isinstance(name, str) or name not in config_dict:
+        name = key
+    return name, config_dict.get(name)
+
+
+def _check_config_sizes(config_dict: dict, aliases: Dict[str, str], where: str) -> None:
+    """The _CONFIG_SIZES, under both names: an int in range, or a list of them (per-layer sizes)."""
     for key, bound in _CONFIG_SIZES.items():
-        value = value_of(key)
-        if value is not None and (type(value) is not int or not 1 <= value <= bound):
-            raise ValueError(f"{where}: {key}{alias} must be an integer in [1, {bound}], got {_echo(value)}")
+        for name in {key, aliases.get(key, key)}:
+            value = config_dict.get(name) if isinstance(name, str) else None
+            values = value if isinstance(value, list) else [value]
+            if value is not None and not all(type(v) is int and 1 <= v <= bound for v in values):
+                shown = key if name == key else f"{name} ({key})"
+                raise ValueError(f"{where}: {shown} must be an integer in [1, {bound}] (or a list of them), got "
+                                 f"{_echo(value)}")
+    # GPT-Neo's attention_types, [[kinds, count], ...], expand to that many layers in its config's constructor
+    layer_types = config_dict.get("attention_types")
+    if isinstance(layer_types, list):
+        counts = [entry[1] if isinstance(entry, list) and len(entry) == 2 else None for entry in layer_types]
+        if not all(type(c) is int and c >= 1 for c in counts) or sum(counts) > _CONFIG_SIZES["num_hidden_layers"]:
+            raise ValueError(f"{where}: attention_types must be [[kinds, count], ...] with counts >= 1 summing to at "
+                             f"most {_CONFIG_SIZES['num_hidden_layers']} layers, got {_echo(layer_types)}")
 
 
-def _check_config_consistency(config, where: str) -> None:
+def _check_config_consistency(config_dict: dict, aliases: Dict[str, str], where: str) -> None:
     """Sizes each in range but not fitting together, which would load and then fail in the first forward, deep in
-    transformers: query heads in groups over the KV heads, hidden_size split over the heads when head_dim is not
-    given, at most as many experts per token as experts."""
-    size = lambda key: getattr(config, key, None)  # noqa: E731 - the attribute or None, as _check_config_sizes reads
-    heads, kv_heads, hidden = size("num_attention_heads"), size("num_key_value_heads"), size("hidden_size")
+    transformers: query heads in groups over the KV heads, at most as many experts per token as experts (plain
+    ints only: per-layer lists are the model's own business)."""
+    def size(key):
+        name, value = _config_field(config_dict, key, aliases)
+        return (name, value) if type(value) is int else (name, None)
+
+    (heads_name, heads), (kv_name, kv_heads) = size("num_attention_heads"), size("num_key_value_heads")
     if heads and kv_heads and heads % kv_heads:
-        raise ValueError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
-                         f"({kv_heads})")
-    if heads and hidden and size("head_dim") is None and hidden % heads:
-        raise ValueError(f"{where}: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads}) when "
-                         f"head_dim is not given")
-    experts = size("num_local_experts") or size("num_experts")
-    per_token = size("num_experts_per_tok")
+        raise ValueError(f"{where}: {heads_name} ({heads}) must be a multiple of {kv_name} ({kv_heads})")
+    experts = size("num_local_experts")[1] or size("num_experts")[1]
+    per_token_name, per_token = size("num_experts_per_tok")
     if experts and per_token and per_token > experts:
-        raise ValueError(f"{where}: num_experts_per_tok ({per_token}) exceeds the {experts} experts")
+        raise ValueError(f"{where}: {per_token_name} ({per_token}) exceeds the {experts} experts")
 
 
 def _json_kind(value) -> str:
@@ -1177,11 +1207,12 @@ def _json_kind(value) -> str:
     return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _check_config_values(config_dict: dict, defaults: dict, where: str) -> None:
+def _check_config_values(config_dict: dict, defaults: dict, aliases: Dict[str, str], where: str) -> None:
     """Sizes and flags checked first (type and range), then every field against the type of the config class's
     default for it (null is always allowed: it means unset): transformers accepts many wrongly typed values and fails
     later, deep in model code, without naming the file."""
-    _check_config_sizes(config_dict.get, where)
+    _check_config_sizes(config_dict, aliases, where)
+    _check_config_consistency(config_dict, aliases, where)
     for key in _CONFIG_FLAGS:
         if key in config_dict and type(config_dict[key]) is not bool:
             raise ValueError(f"{where}: {key} must be true or false, got {_echo(config_dict[key])}")
@@ -1233,16 +1264,13 @@ def _model_config(config_dict: dict, where: str, dtype: Optional[torch.dtype]):
         defaults = CONFIG_MAPPING[model_type]().to_dict()
     except Exception:  # noqa: BLE001 - a config class without usable defaults: only the explicit checks apply
         defaults = {}
-    _check_config_values(config_dict, defaults, where)
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", None)
+    _check_config_values(config_dict, defaults, aliases if isinstance(aliases, dict) else {}, where)
     architecture = {k: v for k, v in config_dict.items() if k != "quantization_config"}
     try:
         config = CONFIG_MAPPING[model_type].from_dict(architecture)
     except Exception as e:  # noqa: BLE001 - parsing an untrusted file (huggingface_hub's validation errors too)
         raise ValueError(f"{where}: not a valid {model_type} config ({type(e).__name__}: {_echo(str(e))})") from None
-    # the same bounds on what the model will read: a model's own names for the sizes (n_layer, n_embd, num_layers, ...)
-    # reach them through the config class's attribute_map, past the file's field names checked above
-    _check_config_sizes(lambda key: getattr(config, key, None), where, " (or the model's own name for it)")
-    _check_config_consistency(config, where)
     if dtype is None:
         stored = config_dict.get("dtype", config_dict.get("torch_dtype")) or "float32"
         if not isinstance(stored, str) or stored not in _MODEL_DTYPES:

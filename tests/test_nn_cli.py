@@ -72,6 +72,17 @@ def test_quantize_model_replaces_and_skips():
     torch.testing.assert_close(restored(x), got, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_quantize_model_names_the_layer_of_a_nan_weight(scheme):
+    model = torch.nn.Sequential()
+    model.add_module("up", torch.nn.Linear(32, 64))
+    model.add_module("head", torch.nn.Linear(64, 10))
+    with torch.no_grad():
+        model.head.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"^head: .*NaN or Inf"):
+        w8a8_cpu.nn.quantize_model(model, scheme=scheme)
+
+
 def test_info_reports_dispatch():
     info = w8a8_cpu.info()
     assert info["arch"] == "x86_64" or info["arch"] in ("aarch64", "ppc64le")

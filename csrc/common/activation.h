@@ -57,19 +57,12 @@ static inline float lane_reduce(int64_t n, Term term) {
   return sum;
 }
 
-// Sum of v[i] * factor (or of v[i]^2). factor 0 sums to NaN exactly when some v[i] is NaN or Inf (a finiteness check
-// in the same loop shape).
-template <bool kSquare>
-static float lane_sum(const float* v, int64_t n, float factor = 1.f) {
-  return lane_reduce(n, [&](int64_t i) { return kSquare ? v[i] * v[i] : v[i] * factor; });
-}
-
-// Sum of a[i] * b[i].
+// Sum of a[i] * b[i] (rms_norm's sum of squares is lane_dot(v, v, n)).
 static float lane_dot(const float* a, const float* b, int64_t n) {
   return lane_reduce(n, [&](int64_t i) { return a[i] * b[i]; });
 }
 
-// The largest of v[0, n), n >= 1, by 16 lane maxima like lane_sum (any order gives the same maximum).
+// The largest of v[0, n), n >= 1, by 16 lane maxima like lane_reduce (any order gives the same maximum).
 static float lane_max(const float* v, int64_t n) {
   constexpr int kLanes = 16;
   float lane[kLanes];

@@ -35,7 +35,7 @@ void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kin
     auto* sum = static_cast<float*>(sum_out);
     for (int64_t i = 0; i < n; ++i) sum[i] = a[i] + b[i];
   }
-  const float inv = 1.f / std::sqrt(lane_sum<true>(v, n) / static_cast<float>(n) + eps);
+  const float inv = 1.f / std::sqrt(lane_dot(v, v, n) / static_cast<float>(n) + eps);
   float* out = kind == FloatKind::f32 ? static_cast<float*>(y) : copy;
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (v[i] * inv);
   if (out != y) store_row_from_float(y, kind, out, n);

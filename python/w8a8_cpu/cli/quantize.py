@@ -112,7 +112,7 @@ def _tokens(tokenizer, path: Path, count: int) -> torch.Tensor:
     ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
     if ids.numel() < count:
         raise CommandError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
-                         f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
+                           f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
     return ids[:count]
 
 

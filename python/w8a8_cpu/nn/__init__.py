@@ -759,15 +759,18 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     gptq = _calibration.gptq_int4(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
         if calibration is not None else {}
     for module, (names, tied_to_embedding) in chosen.items():
-        if not isinstance(module, torch.nn.Linear):
-            replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) if scheme == "w4a8" \
-                else W8A8Experts.from_experts(module)
-        elif module in gptq:
-            replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias)
-        elif module in int4:
-            replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
-        else:
-            replacement = W8A8Linear.from_linear(module)
+        try:  # the layer's name in the error (a NaN weight): "w: ..." alone does not say which of hundreds
+            if not isinstance(module, torch.nn.Linear):
+                replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) if scheme == "w4a8" \
+                    else W8A8Experts.from_experts(module)
+            elif module in gptq:
+                replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias)
+            elif module in int4:
+                replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
+            else:
+                replacement = W8A8Linear.from_linear(module)
+        except ValueError as error:
+            raise ValueError(f"{names[0]}: {error}") from error
         if tied_to_embedding:
             shares_embedding = replacement
         for name in names:

@@ -14,6 +14,7 @@ attention with grouped KV heads, a SiLU-gated MLP, no sliding window). Anything 
 missing; use model.generate for those."""
 from __future__ import annotations
 
+import threading
 from typing import List
 
 import torch
@@ -67,7 +68,9 @@ class Decoder:
     """Greedy decoding and prefill of a Llama-family transformers model (W8A8 or float) in a flat loop with a static
     KV cache. decoder.greedy(prompt_ids, n) -> n token ids; decoder.prefill(ids) -> the last position's logits;
     decoder.logits(ids, last) -> the last `last` positions' logits (perplexity); decoder.hidden(ids) -> the lm_head's
-    input at every position."""
+    input at every position. Calls on one Decoder from several threads run one at a time: they share its KV cache
+    (unguarded, two threads' prompts overwrote each other's keys: wrong logits, silently); give each thread a Decoder
+    of its own to run them side by side (the model's weights are shared, not copied)."""
 
     def __init__(self, model: torch.nn.Module):
         config = getattr(model, "config", None)
@@ -88,6 +91,7 @@ class Decoder:
         self.dtype = next(iter(inner.layers[0].input_layernorm.parameters())).dtype
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self._cache_len = 0
+        self._cache_lock = threading.Lock()  # held by every call that sizes, writes or reads the KV cache
 
     def _allocate(self, length: int) -> None:
         """KV cache and rotary tables for `length` positions (kept and reused while large enough)."""
@@ -157,8 +161,8 @@ class Decoder:
 
     def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
         """hidden() of ids already checked (logits checks them once)."""
-        self._allocate(ids.numel())
-        with torch.inference_mode():
+        with self._cache_lock, torch.inference_mode():
+            self._allocate(ids.numel())
             return self._forward(ids, 0)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -172,9 +176,9 @@ class Decoder:
         ids = _check_ids(prompt_ids, self.config.vocab_size)
         if not isinstance(new_tokens, int) or new_tokens < 1:
             raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
-        self._allocate(ids.numel() + new_tokens)
         out: List[int] = []
-        with torch.inference_mode():
+        with self._cache_lock, torch.inference_mode():
+            self._allocate(ids.numel() + new_tokens)
             logits = self.lm_head(self._forward(ids, 0)[-1:])[0]
             position = ids.numel()
             for _ in range(new_tokens - 1):

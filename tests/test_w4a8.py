@@ -86,6 +86,9 @@ def test_int4_blob_size_matches_the_python_rule(variant, gen):
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q * 2, s, m, 32), "int4 weights must lie in \\[-8, 7\\]"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 48), "group_size: expected 0 \\(per channel\\) or a power"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 16), "group_size"),
+    # the blob's limit, stated before any work (it used to pass quantize_weight_int4 and fail only at packing)
+    (lambda q, s, m: w8a8_cpu.quantize_weight_int4(q.float(), 131072), r"group_size: expected 0 \(per channel\) or a "
+                                                                       r"power of two in \[32, 65536\], got 131072"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s[:, :1], m, 32), "scale: expected shape \\[12, 3\\]"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s.double(), m, 32), "scale: dtype must be float32"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s.index_fill(1, torch.tensor([1]), float("nan")), m, 32),

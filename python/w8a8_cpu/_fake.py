@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
+from ._packed_weight import HEADER_BYTES, INT4_GROUPS, is_int4_group, packed_weight_nbytes
 
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
 _MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHeadDim (microkernel.h)
@@ -303,8 +303,8 @@ def register() -> None:
         if q.shape[0] <= 0:
             raise ValueError("q: N (dim 0) must be > 0")
         _check_k(q.shape[1], "q")
-        if group_size and (group_size < 32 or group_size & (group_size - 1) or group_size > 65536):
-            raise ValueError(f"group_size: expected 0 (per channel) or a power of two in [32, 65536], got {group_size}")
+        if not is_int4_group(group_size):
+            raise ValueError(f"group_size: expected {INT4_GROUPS}, got {group_size}")
         n, k = q.shape
         groups = (k + group_size - 1) // group_size if group_size else 1
         for t, arg in ((scale, "scale"), (minimum, "minimum")):

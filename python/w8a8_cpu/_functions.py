@@ -11,7 +11,7 @@ from typing import Iterator, NamedTuple, Optional, Tuple
 import torch
 
 from ._loader import ops
-from ._packed_weight import HEADER_BYTES, header_format, header_sizes, int4_panels
+from ._packed_weight import HEADER_BYTES, INT4_GROUPS, header_format, header_sizes, int4_panels, is_int4_group
 
 
 def info() -> dict:
@@ -228,8 +228,8 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 def pack_weight_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor] = None,
                      group_size: int = 32) -> torch.Tensor:
     """Pack W4A8 weights (quantize_weight_int4's output): q int8 [N, K] holding values in [-8, 7], scale fp32 [N,
-    groups] and minimum None or fp32 [N, groups] per group of group_size consecutive k (a power of two >= 32; 0: one
-    group per channel), w = scale * q (+ minimum). One blob in the active variant's panel layout: two weights per
+    groups] and minimum None or fp32 [N, groups] per group of group_size consecutive k (a power of two in [32, 65536]; 0:
+    one group per channel), w = scale * q (+ minimum). One blob in the active variant's panel layout: two weights per
     byte, each panel followed by its group scales (and minimums), K padded to whole groups; the header names the
     scheme and group size. The linear ops take it like an int8 blob, with w_scale [N] multiplying on top (ones)."""
     _require_tensors(q=q, scale=scale)
@@ -623,9 +623,8 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
     n, k = w.shape
-    if not isinstance(group_size, int) or group_size < 0 or (group_size and group_size & (group_size - 1)) or \
-            0 < group_size < 32:
-        raise ValueError(f"group_size: expected 0 (per channel) or a power of two >= 32, got {group_size!r}")
+    if not is_int4_group(group_size):
+        raise ValueError(f"group_size: expected {INT4_GROUPS}, got {group_size!r}")
     w32 = w.detach().to(torch.float32)
     if not torch.isfinite(w32).all():
         raise ValueError("w: weight contains NaN or Inf")

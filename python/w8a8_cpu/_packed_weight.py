@@ -14,6 +14,13 @@ from ._loader import ops
 
 HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/packed_weight.h
 MAGIC = b"W8A8PKW\0"  # its first 8 bytes (kPackedMagic)
+INT4_GROUPS = "0 (per channel) or a power of two in [32, 65536]"  # the header's group_log2: 5..16 (kMaxGroupLog2)
+
+
+def is_int4_group(group_size) -> bool:
+    """Whether group_size is one an int4 blob can hold: INT4_GROUPS."""
+    return type(group_size) is int and (group_size == 0 or (32 <= group_size <= 65536 and
+                                                            group_size & (group_size - 1) == 0))
 
 
 def header_sizes(blob) -> Tuple[int, int, int, int, int, int]:

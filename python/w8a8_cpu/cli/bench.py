@@ -420,7 +420,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"token counts to run (linear: any; MoE: of 1, 16, 128); default "
                         f"{', '.join(map(str, ALL_M))}")
     parser.add_argument("--reps", type=positive_int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2, --quick 1)")
     parser.add_argument("--w4a8-group-size", type=int, choices=W4A8_GROUPS, default=W4A8_GROUPS[0],
                         help="the W4A8 candidate's group along K (default 32: 0.625 weight bytes per weight of W8A8's "
                         "1 with its fp32 scales; 128: 0.53)")
@@ -578,7 +578,7 @@ def run_once(args, plan: Plan) -> dict:
 
 DESCRIPTION = ("Benchmark the W8A8 linear (Llama-3-8B-like shapes, decode M=1/4/16 and prefill M=128/512) against "
                "torch fp32, torch bf16, torch.ao dynamic int8 and torch._weight_int8pack_mm, the per-call overhead, "
-               "and the fused MoE against torch loops; all in one run, interleaved, median of >= 10. Prints time, "
-               "GOPS, effective weight bandwidth, speedups, the candidates' errors and a streaming-read bandwidth "
-               "reference.")
+               "and the fused MoE against torch loops; all in one run, interleaved, median of --reps (default 10). "
+               "Prints time, GOPS, effective weight bandwidth, speedups, the candidates' errors and a streaming-read "
+               "bandwidth reference.")
 

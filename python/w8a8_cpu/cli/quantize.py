@@ -1,8 +1,8 @@
 """python -m w8a8_cpu quantize MODEL_DIR OUT_DIR: a W8A8 (or W4A8) checkpoint from a transformers checkpoint directory.
 
 Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
-bundled one, the Apache License 2.0 text), keeps its last --held-out-tokens for the report, runs SmoothQuant on the
-rest (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
+bundled one, the Apache License 2.0 text), runs SmoothQuant on its first --calibration-tokens and keeps the next
+--held-out-tokens for the report (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
 held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; W4A8 rounds with GPTQ on the
 calibration tokens unless --rounding rtn; --activations static gives the W8A8 layers static activation scales from
 the calibration tokens), and writes OUT_DIR:
@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .._packed_weight import INT4_GROUPS, is_int4_group
 from .options import output_folder_parent, positive_int
 from .timing import Progress
 
@@ -97,8 +98,8 @@ def check_arguments(args, parser) -> None:
         parser.error(f"MODEL_DIR {model_dir}: no config.json (expected a transformers checkpoint directory)")
     if not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: not a file")
-    if args.group_size < 0 or (args.group_size and (args.group_size < 32 or args.group_size & (args.group_size - 1))):
-        parser.error(f"--group-size {args.group_size}: expected 0 (per channel) or a power of two >= 32")
+    if not is_int4_group(args.group_size):
+        parser.error(f"--group-size {args.group_size}: expected {INT4_GROUPS}")
     if args.activations != "dynamic" and args.scheme != "w8a8":
         parser.error(f"--activations {args.activations}: static activations need --scheme w8a8 (int4 layers quantize "
                      f"their activations dynamically)")

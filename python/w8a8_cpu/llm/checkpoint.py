@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 
 from .._files import read_json_object
 from .._functions import check_static_activation_params
+from .._packed_weight import is_int4_group
 from ..nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
                   W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
                   fuse_projections, is_silu, quantize_model, _replace_module)
@@ -654,7 +655,7 @@ def _check_int4_args(args: dict, where: str, field: str, packed: bool) -> _Int4A
     _require(strategy in ("group", "channel"), where, f"{field}.strategy", strategy,
              "w8a8_cpu runs int4 weights per group or per channel")
     if strategy == "group":
-        _require(type(group_size) is int and 32 <= group_size <= 65536 and group_size & (group_size - 1) == 0,
+        _require(is_int4_group(group_size) and group_size != 0,
                  where, f"{field}.group_size", group_size, "w8a8_cpu runs int4 groups of a power of two from 32 to 65536")
     else:
         _require(group_size in (None, -1), where, f"{field}.group_size", group_size, "expected none per channel")

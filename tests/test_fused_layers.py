@@ -103,6 +103,37 @@ def test_untied_embedding_gets_its_own_table_and_no_warning(recwarn):
         quantize_model(tiny_llama())
 
 
+class ScaledGatedMLP(torch.nn.Module):
+    """Looks like a SiLU-gated MLP (gate/up/down_proj, act_fn) but scales and clamps as well, as Falcon-H1's
+    mlp_multipliers and DeepSeek-V4's swiglu_limit do."""
+
+    def __init__(self, multiplier=1.0, limit=None):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+        self.down_proj, self.act_fn = torch.nn.Linear(96, 64, bias=False), torch.nn.SiLU()
+        self.multiplier, self.limit = multiplier, limit
+
+    def forward(self, x):
+        gate = self.act_fn(self.gate_proj(x) * self.multiplier)
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+@pytest.mark.parametrize("mlp", [ScaledGatedMLP(multiplier=0.88), ScaledGatedMLP(limit=1.0)], ids=["scaled", "clamped"])
+def test_an_mlp_that_computes_more_than_the_plain_gated_form_stays_unfused(mlp):
+    """Fusing by structure alone replaced these with W8A8GatedMLP, silently: outputs 2x and 8x off."""
+    model = quantize_model(torch.nn.Sequential(mlp))
+    x = torch.randn(5, 64) * 4
+    with torch.no_grad():
+        before = model(x)
+    assert fuse_projections(model) == {"attention": [], "mlp": []}
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    plain = quantize_model(torch.nn.Sequential(ScaledGatedMLP()))
+    assert fuse_projections(plain) == {"attention": [], "mlp": ["0"]}
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 def test_decoder_follows_the_model(model_type):
     """The lean loop on the model's own weights: fp32 logits equal the model's forward to float rounding (one fused
@@ -193,6 +224,29 @@ def test_decoder_calls_from_two_threads_give_each_its_own_logits():
     assert not any(thread.is_alive() for thread in threads) and differing == [0, 0]
 
 
+def test_decoder_refuses_a_model_changed_under_it():
+    """A Decoder built on the float model, then quantize_model in place: it ran the old float q/k/v/o with the new
+    W8A8 MLP linears (logits matching neither model); a norm given a new Parameter was left out (0.5 off). Both are
+    refused now; in-place edits of the same tensors are followed."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model = tiny_llama()
+    decoder = Decoder(model)
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2)  # in place: the Decoder reads it
+        torch.testing.assert_close(decoder.prefill(ids), model(ids.unsqueeze(0)).logits[0, -1], rtol=1e-4, atol=1e-4)
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight * 2)
+    for call in (lambda: decoder.prefill(ids), lambda: decoder.greedy(ids, 2), lambda: decoder.head(torch.zeros(1, 64))):
+        with pytest.raises(ValueError, match="build a new Decoder"):
+            call()
+    quantize_model(model, skip=["lm_head"])
+    with pytest.raises(ValueError, match="replaced after this Decoder was built"):
+        decoder.logits(ids, 3)
+    with torch.no_grad():  # a Decoder built now runs the W8A8 model
+        assert int(Decoder(model).prefill(ids).argmax()) == int(model(ids.unsqueeze(0)).logits[0, -1].argmax())
+
+
 def test_decoder_rejects_what_it_does_not_run():
     from w8a8_cpu.llm.decoder import Decoder
 
@@ -202,7 +256,9 @@ def test_decoder_rejects_what_it_does_not_run():
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 300\)"):
         decoder.prefill(torch.tensor([300]))
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        decoder.greedy(torch.zeros(100, dtype=torch.long), 29)
+        decoder.greedy(torch.zeros(100, dtype=torch.long), 30)
+    assert len(decoder.greedy(torch.zeros(100, dtype=torch.long), 29)) == 29  # 128 positions: the last token's keys
+    # are never written
     with pytest.raises(ValueError, match="new_tokens"):
         decoder.greedy(torch.zeros(3, dtype=torch.long), 0)
     for last in (0, 4, 1.0):

@@ -90,8 +90,18 @@ class Decoder:
         self.rotary = inner.rotary_emb
         self.dtype = next(iter(inner.layers[0].input_layernorm.parameters())).dtype
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self._model, self._parts = model, _parts(model)
         self._cache_len = 0
         self._cache_lock = threading.Lock()  # held by every call that sizes, writes or reads the KV cache
+
+    def _check_unchanged(self) -> None:
+        """The Decoder holds the model's modules and norm weights as they were when it was built: one replaced since
+        (quantize_model in place, a new Parameter) would be left out or mixed in (a half-float, half-W8A8 model, logits
+        matching neither), silently."""
+        now = _parts(self._model)
+        if len(now) != len(self._parts) or any(a is not b for a, b in zip(now, self._parts)):
+            raise ValueError("model: its modules or norm weights were replaced after this Decoder was built "
+                             "(quantize_model, fuse_projections, a new Parameter); build a new Decoder(model)")
 
     def _allocate(self, length: int) -> None:
         """KV cache and rotary tables for `length` positions (kept and reused while large enough)."""
@@ -162,11 +172,13 @@ class Decoder:
     def _prompt(self, ids: torch.Tensor) -> torch.Tensor:
         """hidden() of ids already checked (logits checks them once)."""
         with self._cache_lock, torch.inference_mode():
+            self._check_unchanged()
             self._allocate(ids.numel())
             return self._forward(ids, 0)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head on rows [R, hidden] of hidden(ids) -> logits [R, vocab]."""
+        self._check_unchanged()
         with torch.inference_mode():
             return self.lm_head(hidden)
 
@@ -178,7 +190,8 @@ class Decoder:
             raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
         out: List[int] = []
         with self._cache_lock, torch.inference_mode():
-            self._allocate(ids.numel() + new_tokens)
+            self._check_unchanged()
+            self._allocate(ids.numel() + new_tokens - 1)  # the last token's keys are never needed
             logits = self.lm_head(self._forward(ids, 0)[-1:])[0]
             position = ids.numel()
             for _ in range(new_tokens - 1):
@@ -188,6 +201,18 @@ class Decoder:
                 position += 1
             out.append(int(logits.argmax()))
         return out
+
+
+def _parts(model: torch.nn.Module) -> list:
+    """What a Decoder reads of model, in a fixed order: the modules it calls and the norm weights it holds."""
+    inner = model.model
+    parts = [inner.embed_tokens, inner.norm, inner.norm.weight, model.lm_head, inner.rotary_emb]
+    for layer in inner.layers:
+        attn = layer.self_attn
+        parts += [layer, layer.input_layernorm, layer.input_layernorm.weight, layer.post_attention_layernorm,
+                  layer.post_attention_layernorm.weight, attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                  layer.mlp]
+    return parts
 
 
 def _check_ids(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

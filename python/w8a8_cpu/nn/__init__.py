@@ -825,10 +825,29 @@ def fuse_projections(model: torch.nn.Module) -> Dict[str, List[str]]:
             fused["attention"].append(name)
         elif all(isinstance(getattr(module, p, None), W8A8Linear) for p in ("gate_proj", "up_proj", "down_proj")) \
                 and _same_scheme([module.gate_proj, module.up_proj]) \
-                and callable(getattr(module, "act_fn", None)) and is_silu(module.act_fn) and name:
+                and callable(getattr(module, "act_fn", None)) and is_silu(module.act_fn) and name \
+                and _computes_plain_gated_mlp(module):
             _replace_module(model, name, W8A8GatedMLP.from_mlp(module))
             fused["mlp"].append(name)
     return fused
+
+
+def _computes_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
+    """Whether mlp's own forward is down(act(gate(x)) * up(x)) and nothing more, checked bit for bit on probe rows of
+    growing magnitude through its own layers: some models' MLPs look the same and scale or clamp too (Falcon-H1's
+    mlp_multipliers, DeepSeek-V4's swiglu_limit), and fusing those gave outputs 2x and 8x off, silently. One that
+    does not (or whose forward needs more than x) stays unfused."""
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    probe = torch.randn(4, gate.in_features, generator=torch.Generator().manual_seed(0)) * \
+        torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
+    try:
+        with torch.no_grad():
+            own = mlp(probe)
+            plain = down(mlp.act_fn(gate(probe)) * up(probe))
+    except Exception:  # a forward that needs other arguments or shapes: not the plain form
+        return False
+    return isinstance(own, torch.Tensor) and own.shape == plain.shape and own.dtype == plain.dtype and \
+        torch.equal(own, plain)
 
 
 def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

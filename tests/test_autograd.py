@@ -97,6 +97,39 @@ def test_ops_without_gradient_raise_on_backward(gen):
         y.sum().backward()
 
 
+def test_gated_mlp_backward_raises_instead_of_dropping_the_branch(gen):
+    """W8A8GatedMLP's op had no autograd kernel: x.grad came back None and a model's MLP branch left its gradient,
+    with only torch's generic warning."""
+    mlp = torch.nn.Module()
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (torch.nn.Linear(16, 24), torch.nn.Linear(16, 24),
+                                                 torch.nn.Linear(24, 16))
+    mlp.act_fn = torch.nn.SiLU()
+    fused = w8a8_cpu.nn.W8A8GatedMLP.from_mlp(mlp)
+    x = torch.randn(3, 16, generator=gen, requires_grad=True)
+    with pytest.raises(ValueError, match="^x: requires grad, but int8_gated_mm_with_quant .* has no gradient; keep "
+                                         "the MLP unfused"):
+        (x + fused(x)).sum().backward()
+    with torch.no_grad():  # inference as before
+        assert not fused(x).requires_grad
+
+
+@pytest.mark.parametrize("scale,zero_point,symmetric", [
+    (0.02, None, True), (None, None, False), (0.02, 3, False)], ids=["tensor", "token-asymmetric", "tensor-asymmetric"])
+def test_static_and_asymmetric_activations_have_the_straight_through_gradient(scale, zero_point, symmetric, gen):
+    """A W8A8Linear with static or asymmetric activations gave an output without gradient: in a residual block
+    x.grad came out as exactly 1, the layer's part missing, silently. Now its gradient is the dynamic layer's."""
+    linear = torch.nn.Linear(16, 16)
+    layer = w8a8_cpu.nn.W8A8Linear.from_linear(linear)
+    layer.set_activations(None if scale is None else torch.tensor([scale]),
+                          None if zero_point is None else torch.tensor([zero_point], dtype=torch.int32), symmetric)
+    x = torch.randn(5, 16, generator=gen, requires_grad=True)
+    (x + layer(x)).sum().backward()
+    w_q, w_scale = w8a8_cpu.quantize_weight(linear.weight)
+    x_float = x.detach().clone().requires_grad_()
+    (x_float + torch.nn.functional.linear(x_float, dequantized(w_q, w_scale), linear.bias)).sum().backward()
+    torch.testing.assert_close(x.grad, x_float.grad, **FP32_TOL)
+
+
 def test_no_grad_inputs_give_outputs_without_grad(gen):
     w_q, w_scale = w8a8_cpu.quantize_weight(torch.randn(8, 16, generator=gen))
     assert not w8a8_cpu.int8_scaled_mm_with_quant(torch.randn(3, 16, generator=gen), w_q, w_scale).requires_grad

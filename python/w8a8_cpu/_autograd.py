@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from ._functions import dequantized_weight
+from ._functions import dequantized_weight, int8_scaled_mm_with_activations
 from ._loader import ops as _ops
 
 
@@ -68,6 +68,31 @@ def _linear_backward(ctx, grad_out):
     w, w_scale = ctx.saved_tensors
     weight = _ops._dequantized_weight(w, w_scale, ctx.k)
     return (grad_out.float() @ weight).to(ctx.x_dtype), None, None, None, None, None
+
+
+class StaticActivationsLinear(torch.autograd.Function):
+    """int8_scaled_mm_with_activations (static and/or asymmetric activations: W8A8Linear.set_activations) with the
+    dynamic layer's straight-through gradient w.r.t. x (its int8 rounding counts as the identity, zero point and
+    clamp included). Without it the output carried no gradient and a residual branch through the layer dropped out of
+    a model's gradient, silently."""
+
+    @staticmethod
+    def forward(ctx, x, w, w_scale, bias, input_scale, input_zero_point, symmetric, w_sum):
+        ctx.save_for_backward(w, w_scale)
+        ctx.x_dtype, ctx.k = x.dtype, x.shape[-1]
+        return int8_scaled_mm_with_activations(x, w, w_scale, bias, input_scale=input_scale,
+                                               input_zero_point=input_zero_point, symmetric=symmetric, w_sum=w_sum)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        for name, needs_grad in zip(("w_scale", "bias", "input_scale", "input_zero_point"), ctx.needs_input_grad[2:6]):
+            if needs_grad:
+                raise ValueError(f"{name}: requires grad, but a W8A8 layer with static activations is differentiable "
+                                 f"w.r.t. its input only (straight-through): detach it")
+        w, w_scale = ctx.saved_tensors
+        weight = _ops._dequantized_weight(w, w_scale, ctx.k) if AVAILABLE else _dequantize(w, w_scale)
+        grad_x = (grad_out.float() @ weight).to(ctx.x_dtype)
+        return grad_x, None, None, None, None, None, None, None
 
 
 # ---- fused_experts ---------------------------------------------------------------------------------------------
@@ -146,6 +171,10 @@ def register() -> None:
         "w8a8_cpu::int8_scaled_mm",
         _no_gradient("int8_scaled_mm", f"has no gradient (x_q is int8 already; scales and bias are frozen); "
                                        f"{_STRAIGHT_THROUGH}"))
+    torch.library.register_autograd(
+        "w8a8_cpu::int8_gated_mm_with_quant",
+        _no_gradient("int8_gated_mm_with_quant", "(W8A8GatedMLP: fuse_projections) has no gradient; keep the MLP "
+                                                 "unfused (W8A8Linear layers) to train through it"))
     torch.library.register_autograd(
         "w8a8_cpu::scale_accumulators",
         _no_gradient("scale_accumulators", f"has no gradient (its accumulators are int32); {_STRAIGHT_THROUGH}"))

@@ -10,7 +10,7 @@ import torch
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
 from . import _calibration
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
-                          fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
+                          fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
                           pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
                           quantize_weight_int4, unpack_weight, weight_channel_sums, weight_scheme)
 from .._loader import ops as _ops
@@ -145,10 +145,9 @@ class W8A8Linear(_Fp32Scales):
         buffers = self._buffers
         weight_packed, w_scale, bias = buffers["weight_packed"], buffers["w_scale"], buffers["bias"]
         if buffers["input_scale"] is not None or not self.symmetric_activations:
-            return int8_scaled_mm_with_activations(
-                x, weight_packed, w_scale, bias, input_scale=buffers["input_scale"],
-                input_zero_point=buffers["input_zero_point"], symmetric=self.symmetric_activations,
-                w_sum=buffers["w_sum"])
+            return _autograd.StaticActivationsLinear.apply(
+                x, weight_packed, w_scale, bias, buffers["input_scale"], buffers["input_zero_point"],
+                self.symmetric_activations, buffers["w_sum"])
         # under inference_mode autograd's dispatch keys are off: no Python kernel on the way (dynamo cannot trace the
         # check, hence compiling first)
         if not _is_compiling() and torch.is_inference_mode_enabled():
@@ -352,10 +351,15 @@ class W8A8GatedMLP(_Fp32Scales):
         return cls(_concatenated([gate, up]), down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the op has no gradient (no autograd kernel, so no Python detour to skip)
+        # The op has no gradient: its autograd kernel raises at backward (without one, the MLP's branch dropped out of
+        # a model's gradient silently). Below it when no gradient is wanted (see W8A8Linear.forward).
         buffers = self._buffers  # not through __getattr__ (see W8A8Linear.forward)
-        act = _ops.int8_gated_mm_with_quant(x, buffers["gate_up_packed"], buffers["gate_up_scale"],
-                                            buffers["gate_up_bias"], None)
+        args = (x, buffers["gate_up_packed"], buffers["gate_up_scale"], buffers["gate_up_bias"], None)
+        if _below_autograd(x, *args[2:4]):
+            with torch._C._AutoDispatchBelowAutograd():
+                act = _ops.int8_gated_mm_with_quant(*args)
+        else:
+            act = _ops.int8_gated_mm_with_quant(*args)
         return self._modules["down_proj"](act)
 
     def projections(self) -> Dict[str, W8A8Linear]:

@@ -103,6 +103,31 @@ def test_untied_embedding_gets_its_own_table_and_no_warning(recwarn):
         quantize_model(tiny_llama())
 
 
+def test_int8_embedding_follows_the_model_through_to_save_and_load(tmp_path):
+    """model.to(bfloat16) after quantize_model(quantize_embedding=True): the embedding kept returning fp32, and so did
+    every logit after it; torch.save of such a model refused the int8 view the embedding kept of its blob."""
+    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        before = model(ids).logits
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)
+        model.to(torch.bfloat16)
+        assert model.get_input_embeddings()(ids).dtype == torch.bfloat16 and model(ids).logits.dtype == torch.bfloat16
+
+
+def test_an_embedding_with_max_norm_stays_float():
+    """max_norm renormalizes the rows a lookup reads: an int8 table read plainly returned rows 3-4x its norm."""
+    model = tiny_llama()
+    model.model.embed_tokens.max_norm = 0.05
+    with pytest.raises(ValueError, match=r"computes more than a row lookup \(a scale after it, max_norm\)"):
+        quantize_model(model, quantize_embedding=True)
+    with pytest.raises(ValueError, match="max_norm=0.05 renormalizes the rows it reads"):
+        W8A8Embedding.from_embedding(model.model.embed_tokens)
+
+
 class ScaledGatedMLP(torch.nn.Module):
     """Looks like a SiLU-gated MLP (gate/up/down_proj, act_fn) but scales and clamps as well, as Falcon-H1's
     mlp_multipliers and DeepSeek-V4's swiglu_limit do."""

@@ -428,8 +428,24 @@ class W8A8Embedding(_Fp32Scales):
         self.dtype = dtype
         self._panels = (weight_packed, panels)  # the checked view of the blob it was made from
 
+    def _apply(self, fn, *args, **kwargs):
+        # the output dtype follows the model's as a float table would (model.to(bfloat16) after quantize_model: it
+        # stayed fp32, and so did every logit after it, silently)
+        super()._apply(fn, *args, **kwargs)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype
+        return self
+
+    def __getstate__(self):
+        # not the int8 view of the blob: torch.save refuses two views of one storage as different dtypes (forward
+        # checks the blob again and views it)
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_panels": (None, None)}
+
     @classmethod
     def from_embedding(cls, embedding: torch.nn.Embedding) -> "W8A8Embedding":
+        if getattr(embedding, "max_norm", None) is not None:  # a lookup that renormalizes rows: not a table read
+            raise ValueError(f"embedding: max_norm={embedding.max_norm} renormalizes the rows it reads; W8A8Embedding "
+                             f"reads a fixed table (keep this embedding float)")
         w_q, w_scale = quantize_weight(embedding.weight)
         return cls(pack_weight(w_q), w_scale, embedding.weight.dtype, getattr(embedding, "column_scale", None))
 
@@ -796,14 +812,17 @@ def _input_embedding(model: torch.nn.Module) -> torch.nn.Embedding:
                          f"(get_input_embeddings / set_input_embeddings, as transformers models have)")
     if not _is_table_lookup(embedding):
         raise ValueError(f"quantize_embedding: {type(model).__name__}'s input embedding ({type(embedding).__name__}) "
-                         f"computes more than a row lookup (e.g. a scale after it), which the int8 table would drop")
+                         f"computes more than a row lookup (a scale after it, max_norm), which the int8 table would "
+                         f"drop")
     return embedding
 
 
 def _is_table_lookup(embedding: torch.nn.Embedding) -> bool:
     """Whether the embedding's output is its table's rows (times a column scale): the forward of nn.Embedding or of
-    ColumnScaledEmbedding, not a subclass's own (Gemma's multiplies by sqrt(hidden))."""
-    return type(embedding).forward in (torch.nn.Embedding.forward, ColumnScaledEmbedding.forward)
+    ColumnScaledEmbedding, not a subclass's own (Gemma's multiplies by sqrt(hidden)), and no max_norm (which
+    renormalizes the rows it reads)."""
+    return type(embedding).forward in (torch.nn.Embedding.forward, ColumnScaledEmbedding.forward) and \
+        getattr(embedding, "max_norm", None) is None
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")

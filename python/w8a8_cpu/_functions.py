@@ -201,7 +201,8 @@ def int8_scaled_mm_with_activations(x: torch.Tensor, w: torch.Tensor, w_scale: t
     """int8_scaled_mm_with_quant for static and/or asymmetric activations (quantize_activations' schemes) -> [..., N]
     in x.dtype: out = float32(x_q . w - zp * sum_k w, exact in int32) * (x_scale * w_scale) + bias, the same epilogue
     (scale_accumulators). w: an int8 packed blob; w_sum int32 [N] its channel sums (computed when None). No gradient
-    here (the int8 rounding cuts it); W8A8Linear wraps it in the straight-through one (_autograd.StaticActivationsLinear)."""
+    here (the int8 rounding cuts it); W8A8Linear wraps it in the straight-through one
+    (_autograd.StaticActivationsLinear)."""
     _require_tensors(x=x, w=w, w_scale=w_scale)
     k = x.shape[-1]
     if not symmetric and k > MAX_K_ZERO_POINT:

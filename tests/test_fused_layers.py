@@ -261,6 +261,10 @@ def test_decoder_refuses_a_model_changed_under_it():
     with torch.no_grad():
         model.model.norm.weight.mul_(2)  # in place: the Decoder reads it
         torch.testing.assert_close(decoder.prefill(ids), model(ids.unsqueeze(0)).logits[0, -1], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # its data swapped, as smooth_quant does to 16-bit norms: read at each call (0.57 off)
+        model.model.norm.weight.data = model.model.norm.weight.data * 1.5
+        torch.testing.assert_close(decoder.prefill(ids), model(ids.unsqueeze(0)).logits[0, -1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(copy.deepcopy(decoder).prefill(ids), decoder.prefill(ids), rtol=0, atol=0)
     model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight * 2)
     for call in (lambda: decoder.prefill(ids), lambda: decoder.greedy(ids, 2), lambda: decoder.head(torch.zeros(1, 64))):
         with pytest.raises(ValueError, match="build a new Decoder"):
@@ -268,6 +272,10 @@ def test_decoder_refuses_a_model_changed_under_it():
     quantize_model(model, skip=["lm_head"])
     with pytest.raises(ValueError, match="replaced after this Decoder was built"):
         decoder.logits(ids, 3)
+    converted = Decoder(copy.deepcopy(model))
+    converted._model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="converted to torch.bfloat16 after this Decoder was built for torch.float32"):
+        converted.prefill(ids)
     with torch.no_grad():  # a Decoder built now runs the W8A8 model
         assert int(Decoder(model).prefill(ids).argmax()) == int(model(ids.unsqueeze(0)).logits[0, -1].argmax())
 

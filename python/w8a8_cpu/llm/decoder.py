@@ -34,13 +34,15 @@ class _RMSNorm:
         if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float) or \
                 not type(module).__name__.endswith("RMSNorm"):
             raise ValueError(f"{where}: expected an RMSNorm (weight, variance_epsilon), got {type(module).__name__}")
-        self.weight, self.eps = weight.detach(), eps  # the op reads it as fp32 (the module's own tensor: no copy)
+        # The module's weight read at each call (the op reads it as fp32: no copy): a tensor held from construction
+        # kept the old values when its data was swapped (smooth_quant does that to 16-bit norms: logits 0.57 off).
+        self.module, self.eps = module, eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.w8a8_cpu.rms_norm(x, self.weight, self.eps)
+        return torch.ops.w8a8_cpu.rms_norm(x, self.module.weight, self.eps)
 
     def add_(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        return torch.ops.w8a8_cpu.add_rms_norm_(h, delta, self.weight, self.eps)
+        return torch.ops.w8a8_cpu.add_rms_norm_(h, delta, self.module.weight, self.eps)
 
 
 class _Layer:
@@ -95,13 +97,24 @@ class Decoder:
         self._cache_lock = threading.Lock()  # held by every call that sizes, writes or reads the KV cache
 
     def _check_unchanged(self) -> None:
-        """The Decoder holds the model's modules and norm weights as they were when it was built: one replaced since
-        (quantize_model in place, a new Parameter) would be left out or mixed in (a half-float, half-W8A8 model, logits
-        matching neither), silently."""
+        """The Decoder holds the model's modules as they were when it was built: one replaced since (quantize_model in
+        place, a new Parameter) would be left out or mixed in (a half-float, half-W8A8 model, logits matching neither),
+        silently; its KV cache and rotary tables have the dtype the model had."""
         now = _parts(self._model)
         if len(now) != len(self._parts) or any(a is not b for a, b in zip(now, self._parts)):
             raise ValueError("model: its modules or norm weights were replaced after this Decoder was built "
                              "(quantize_model, fuse_projections, a new Parameter); build a new Decoder(model)")
+        dtype = self._model.model.layers[0].input_layernorm.weight.dtype
+        if dtype != self.dtype:
+            raise ValueError(f"model: converted to {dtype} after this Decoder was built for {self.dtype}; build a new "
+                             f"Decoder(model)")
+
+    def __getstate__(self):  # copy.deepcopy / pickle: a lock is neither, a fresh one is made
+        return {name: value for name, value in self.__dict__.items() if name != "_cache_lock"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._cache_lock = threading.Lock()
 
     def _allocate(self, length: int) -> None:
         """KV cache and rotary tables for `length` positions (kept and reused while large enough)."""
@@ -162,7 +175,7 @@ class Decoder:
         ids = _check_ids(ids, self.config.vocab_size)
         if not isinstance(last, int) or not 1 <= last <= ids.numel():
             raise ValueError(f"last: expected an int in [1, {ids.numel()}] (the positions of ids), got {last!r}")
-        return self.head(self._prompt(ids)[-last:])
+        return self._head(self._prompt(ids)[-last:])
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """The lm_head's input [T, hidden] at every position of ids [T] (one forward pass; the cache is reset):
@@ -179,6 +192,9 @@ class Decoder:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The lm_head on rows [R, hidden] of hidden(ids) -> logits [R, vocab]."""
         self._check_unchanged()
+        return self._head(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.lm_head(hidden)
 

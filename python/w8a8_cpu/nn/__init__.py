@@ -10,7 +10,7 @@ import torch
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
 from . import _calibration
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
-                          fused_experts, int4_weight_values, int8_scaled_mm_with_quant,
+                          fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
                           pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
                           quantize_weight_int4, unpack_weight, weight_channel_sums, weight_scheme)
 from .._loader import ops as _ops
@@ -145,9 +145,14 @@ class W8A8Linear(_Fp32Scales):
         buffers = self._buffers
         weight_packed, w_scale, bias = buffers["weight_packed"], buffers["w_scale"], buffers["bias"]
         if buffers["input_scale"] is not None or not self.symmetric_activations:
-            return _autograd.StaticActivationsLinear.apply(
-                x, weight_packed, w_scale, bias, buffers["input_scale"], buffers["input_zero_point"],
-                self.symmetric_activations, buffers["w_sum"])
+            input_scale, input_zero_point = buffers["input_scale"], buffers["input_zero_point"]
+            if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:  # straight-through
+                return _autograd.StaticActivationsLinear.apply(x, weight_packed, w_scale, bias, input_scale,
+                                                               input_zero_point, self.symmetric_activations,
+                                                               buffers["w_sum"])
+            return int8_scaled_mm_with_activations(  # the same outputs without an autograd node (~30 us a call)
+                x, weight_packed, w_scale, bias, input_scale=input_scale, input_zero_point=input_zero_point,
+                symmetric=self.symmetric_activations, w_sum=buffers["w_sum"])
         # under inference_mode autograd's dispatch keys are off: no Python kernel on the way (dynamo cannot trace the
         # check, hence compiling first)
         if not _is_compiling() and torch.is_inference_mode_enabled():
@@ -859,10 +864,11 @@ def _computes_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
     """Whether mlp's own forward is down(act(gate(x)) * up(x)) and nothing more, checked bit for bit on probe rows of
     growing magnitude through its own layers: some models' MLPs look the same and scale or clamp too (Falcon-H1's
     mlp_multipliers, DeepSeek-V4's swiglu_limit), and fusing those gave outputs 2x and 8x off, silently. One that
-    does not (or whose forward needs more than x) stays unfused."""
+    does not (or whose forward needs more than x) stays unfused. The probe is [1, 4, K], as transformers passes
+    hidden states; forward hooks on mlp and its layers see it."""
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    probe = torch.randn(4, gate.in_features, generator=torch.Generator().manual_seed(0)) * \
-        torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
+    probe = torch.randn(1, 4, gate.in_features, generator=torch.Generator().manual_seed(0)) * \
+        torch.tensor([1.0, 10.0, 100.0, 1000.0]).view(1, 4, 1)
     try:
         with torch.no_grad():
             own = mlp(probe)

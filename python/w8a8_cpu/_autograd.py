@@ -61,13 +61,19 @@ def _linear_setup_context(ctx, inputs, output):
     ctx.x_dtype, ctx.k = x.dtype, x.shape[-1]
 
 
+def _straight_through(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+    """d loss / d x of a W8A8 layer whose ctx saved (w, w_scale), x_dtype and k: the float computation's gradient with
+    the dequantized weight, in fp32, cast to x's dtype."""
+    w, w_scale = ctx.saved_tensors
+    weight = _ops._dequantized_weight(w, w_scale, ctx.k) if AVAILABLE else _dequantize(w, w_scale)
+    return (grad_out.float() @ weight).to(ctx.x_dtype)
+
+
 def _linear_backward(ctx, grad_out):
     _reject_frozen_inputs(ctx, "int8_scaled_mm_with_quant", ("x",),
                           "is differentiable w.r.t. x only (straight-through); its weight, w_scale and bias are "
                           "frozen: detach them")
-    w, w_scale = ctx.saved_tensors
-    weight = _ops._dequantized_weight(w, w_scale, ctx.k)
-    return (grad_out.float() @ weight).to(ctx.x_dtype), None, None, None, None, None
+    return _straight_through(ctx, grad_out), None, None, None, None, None
 
 
 class StaticActivationsLinear(torch.autograd.Function):
@@ -89,10 +95,7 @@ class StaticActivationsLinear(torch.autograd.Function):
             if needs_grad:
                 raise ValueError(f"{name}: requires grad, but a W8A8 layer with static activations is differentiable "
                                  f"w.r.t. its input only (straight-through): detach it")
-        w, w_scale = ctx.saved_tensors
-        weight = _ops._dequantized_weight(w, w_scale, ctx.k) if AVAILABLE else _dequantize(w, w_scale)
-        grad_x = (grad_out.float() @ weight).to(ctx.x_dtype)
-        return grad_x, None, None, None, None, None, None, None
+        return _straight_through(ctx, grad_out), None, None, None, None, None, None, None
 
 
 # ---- fused_experts ---------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Loads the float model and its tokenizer from MODEL_DIR (offline), tokenizes the calibration text (default: the
 bundled one, the Apache License 2.0 text), runs SmoothQuant on its first --calibration-tokens and keeps the next
---held-out-tokens for the report (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the lowest KL to the float model on the
-held-out tokens), quantizes every Linear (MoE experts included; --skip keeps layers float; W4A8 rounds with GPTQ on the
-calibration tokens unless --rounding rtn; --activations static gives the W8A8 layers static activation scales from
-the calibration tokens), and writes OUT_DIR:
+--held-out-tokens for the report (a given alpha, or `search`: each of SEARCH_ALPHAS on a copy, the one with the
+lowest KL to the float model on the held-out tokens), quantizes every Linear (MoE experts included; --skip keeps
+layers float; W4A8 rounds with GPTQ on the calibration tokens unless --rounding rtn; --activations static gives the
+W8A8 layers static activation scales from the calibration tokens), and writes OUT_DIR:
 config.json with the compressed-tensors quantization_config, the weights (sharded with --max-shard-size), the
 tokenizer files, generation_config.json, and README.md with what was done and the held-out perplexity before and
 after. Every file is readable by other users. vLLM serves the directory as it is; load_quantized reads it back."""

@@ -92,7 +92,7 @@ class Decoder:
         self.norm = _RMSNorm(inner.norm, "model.norm")
         self.lm_head = model.lm_head
         self.rotary = inner.rotary_emb
-        self.dtype = next(iter(inner.layers[0].input_layernorm.parameters())).dtype
+        self.dtype = _dtype(model)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self._model, self._parts = model, _parts(model)
         self._cache_len = 0
@@ -106,7 +106,7 @@ class Decoder:
         if len(now) != len(self._parts) or any(a is not b for a, b in zip(now, self._parts)):
             raise ValueError("model: its modules or norm weights were replaced after this Decoder was built "
                              "(quantize_model, fuse_projections, a new Parameter); build a new Decoder(model)")
-        dtype = self._model.model.layers[0].input_layernorm.weight.dtype
+        dtype = _dtype(self._model)
         if dtype != self.dtype:
             raise ValueError(f"model: converted to {dtype} after this Decoder was built for {self.dtype}; build a new "
                              f"Decoder(model)")
@@ -219,6 +219,11 @@ class Decoder:
                 position += 1
             out.append(int(logits.argmax()))
         return out
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    """The model's float dtype, as its first norm holds it: the KV cache's and the rotary tables'."""
+    return model.model.layers[0].input_layernorm.weight.dtype
 
 
 def _parts(model: torch.nn.Module) -> list:

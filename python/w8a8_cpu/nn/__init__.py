@@ -146,7 +146,7 @@ class W8A8Linear(_Fp32Scales):
         weight_packed, w_scale, bias = buffers["weight_packed"], buffers["w_scale"], buffers["bias"]
         if buffers["input_scale"] is not None or not self.symmetric_activations:
             input_scale, input_zero_point = buffers["input_scale"], buffers["input_zero_point"]
-            if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:  # straight-through
+            if _gradient_wanted(x):  # straight-through
                 return _autograd.StaticActivationsLinear.apply(x, weight_packed, w_scale, bias, input_scale,
                                                                input_zero_point, self.symmetric_activations,
                                                                buffers["w_sum"])
@@ -263,8 +263,13 @@ def _below_autograd(x: torch.Tensor, *tracked) -> bool:
     """Whether a forward may call the op below the Python autograd kernel (~8 us per call there; a decoder LLM makes
     ~200 such calls per token): no gradient wanted and not tracing. Older torch (no Python autograd kernels,
     _autograd.AVAILABLE false) needs no detour, and its _AutoDispatchBelowAutograd is no context manager."""
-    wanted = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, *tracked))
-    return _autograd.AVAILABLE and isinstance(x, torch.Tensor) and not wanted and not _is_compiling()
+    return _autograd.AVAILABLE and isinstance(x, torch.Tensor) and not _gradient_wanted(x, *tracked) and \
+        not _is_compiling()
+
+
+def _gradient_wanted(*tensors) -> bool:
+    """Whether autograd is on and some of the tensors requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 class W8A8LinearSlice(torch.nn.Module):

@@ -130,6 +130,20 @@ def test_static_and_asymmetric_activations_have_the_straight_through_gradient(sc
     torch.testing.assert_close(x.grad, x_float.grad, **FP32_TOL)
 
 
+@pytest.mark.parametrize("frozen", ["w_scale", "bias", "input_scale"])
+def test_static_activations_frozen_buffer_requiring_grad_raises(frozen, gen):
+    """A static-activation layer whose only tensor requiring grad was w_scale, bias or input_scale skipped the
+    autograd node: the output carried no gradient and that buffer's .grad stayed None, silently."""
+    layer = w8a8_cpu.nn.W8A8Linear.from_linear(torch.nn.Linear(16, 8))
+    layer.set_activations(torch.tensor([0.02]))
+    getattr(layer, frozen).requires_grad_()
+    y = layer(torch.randn(3, 16, generator=gen))
+    assert y.requires_grad
+    with pytest.raises(ValueError, match=f"^{frozen}: requires grad, but a W8A8 layer with static activations is "
+                                         f"differentiable w.r.t. its input only"):
+        y.sum().backward()
+
+
 def test_no_grad_inputs_give_outputs_without_grad(gen):
     w_q, w_scale = w8a8_cpu.quantize_weight(torch.randn(8, 16, generator=gen))
     assert not w8a8_cpu.int8_scaled_mm_with_quant(torch.randn(3, 16, generator=gen), w_q, w_scale).requires_grad

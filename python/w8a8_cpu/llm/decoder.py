@@ -100,12 +100,12 @@ class Decoder:
 
     def _check_unchanged(self) -> None:
         """The Decoder holds the model's modules as they were when it was built: one replaced since (quantize_model in
-        place, a new Parameter) would be left out or mixed in (a half-float, half-W8A8 model, logits matching neither),
-        silently; its KV cache and rotary tables have the dtype the model had."""
+        place, fuse_projections) would be left out or mixed in (a half-float, half-W8A8 model, logits matching
+        neither), silently; its KV cache and rotary tables have the dtype the model had."""
         now = _parts(self._model)
         if len(now) != len(self._parts) or any(a is not b for a, b in zip(now, self._parts)):
-            raise ValueError("model: its modules or norm weights were replaced after this Decoder was built "
-                             "(quantize_model, fuse_projections, a new Parameter); build a new Decoder(model)")
+            raise ValueError("model: its modules were replaced after this Decoder was built (quantize_model, "
+                             "fuse_projections); build a new Decoder(model)")
         dtype = _dtype(self._model)
         if dtype != self.dtype:
             raise ValueError(f"model: converted to {dtype} after this Decoder was built for {self.dtype}; build a new "
@@ -227,14 +227,14 @@ def _dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def _parts(model: torch.nn.Module) -> list:
-    """What a Decoder reads of model, in a fixed order: the modules it calls and the norm weights it holds."""
+    """The modules a Decoder calls or reads, in a fixed order (a norm's weight is read from its module at each call,
+    so a new norm Parameter is followed, not refused)."""
     inner = model.model
-    parts = [inner.embed_tokens, inner.norm, inner.norm.weight, model.lm_head, inner.rotary_emb]
+    parts = [inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb]
     for layer in inner.layers:
         attn = layer.self_attn
-        parts += [layer, layer.input_layernorm, layer.input_layernorm.weight, layer.post_attention_layernorm,
-                  layer.post_attention_layernorm.weight, attn, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                  layer.mlp]
+        parts += [layer, layer.input_layernorm, layer.post_attention_layernorm, attn, attn.q_proj, attn.k_proj,
+                  attn.v_proj, attn.o_proj, layer.mlp]
     return parts
 
 

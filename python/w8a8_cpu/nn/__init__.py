@@ -146,7 +146,8 @@ class W8A8Linear(_Fp32Scales):
         weight_packed, w_scale, bias = buffers["weight_packed"], buffers["w_scale"], buffers["bias"]
         if buffers["input_scale"] is not None or not self.symmetric_activations:
             input_scale, input_zero_point = buffers["input_scale"], buffers["input_zero_point"]
-            if _gradient_wanted(x):  # straight-through
+            # straight-through w.r.t. x; a frozen tensor requiring grad raises at backward (no silent None)
+            if _gradient_wanted(x, w_scale, bias, input_scale):
                 return _autograd.StaticActivationsLinear.apply(x, weight_packed, w_scale, bias, input_scale,
                                                                input_zero_point, self.symmetric_activations,
                                                                buffers["w_sum"])

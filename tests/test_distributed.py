@@ -264,6 +264,37 @@ def case_disagreeing_ranks(rank: int, world_size: int, out: Path) -> dict:
     return {**errors, "logits": logits}
 
 
+def case_standalone_layers(rank: int, world_size: int, out: Path) -> dict:
+    """Sharded layers used on their own (no model input check): a NaN in one rank's slice, ranks passing other row
+    counts or slices, MoE ids outside every rank's experts, other routing on one rank."""
+    from w8a8_cpu import distributed
+    from w8a8_cpu.nn import W8A8Experts, W8A8Linear, W8A8MoE
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(5)
+    k = 64
+    layer = W8A8Linear.from_linear(torch.nn.Linear(k, 16))
+    cols = slice(rank * k // world_size, (rank + 1) * k // world_size)
+    row = distributed.row_parallel(layer, cols, "row")
+    four_rows = torch.randn(4, k, generator=gen)
+    x = four_rows[:3]
+    nan_on_last = x.clone()
+    nan_on_last[1, k - 2] = float("nan")  # in the last rank's slice only
+    results = {"nan": (layer(nan_on_last), row(nan_on_last[:, cols])),
+               "rows": _error_of(lambda: row(four_rows[: 3 + (rank == 1), cols])),
+               "columns": _error_of(lambda: row(x if rank == 1 else x[:, cols]))}
+    experts, hidden = 4, 32
+    moe = W8A8Experts(*W8A8MoE._quantize_experts(torch.randn(experts, 32, hidden, generator=gen)),
+                      *W8A8MoE._quantize_experts(torch.randn(experts, hidden, 16, generator=gen)))
+    sharded = distributed.ExpertShard(slice(rank * 2, rank * 2 + 2), experts, "experts").of(moe)
+    h, weights = torch.randn(3, hidden, generator=gen), torch.rand(3, 2, generator=gen)
+    ids = torch.tensor([[0, 1], [2, 3], [3, 0]])
+    results["ids"] = _error_of(lambda: sharded(h, torch.tensor([[0, 1], [2, 4], [3, 0]]), weights))
+    results["routing"] = _error_of(lambda: sharded(h, ids.flip(1) if rank == 1 else ids, weights))
+    results["moe"] = (moe(h, ids, weights), sharded(h, ids, weights))  # the ranks still work together
+    return results
+
+
 def case_dead_rank(rank: int, world_size: int, out: Path) -> dict:
     return _lost_rank(rank, lambda: os._exit(3))  # dies mid-run, without a goodbye
 
@@ -450,6 +481,22 @@ def test_ranks_given_different_checkpoints_options_or_inputs_all_refuse(tmp_path
         assert "input: rank 1's forward input differs from rank 0's (shape (1, 12) vs (1, 12), crc32" in \
             errors["token ids"]
     assert torch.equal(results[0]["logits"], results[1]["logits"])
+
+
+def test_sharded_layers_on_their_own_refuse_what_would_abort_or_mislead_a_rank(tmp_path):
+    """Before: a NaN in rank 1's slice gave finite rows on every rank (gloo's MAX dropped the NaN, the shared amax then
+    turned it into int8 codes), row counts that differed aborted a rank inside gloo (SIGABRT) or hung both, and MoE ids
+    outside every rank's experts added 0, silently."""
+    results = launch_ok("standalone_layers", 2, tmp_path)
+    for result in results:
+        want, got = result["nan"]
+        assert got[1].isnan().all() and torch.equal(got[[0, 2]], want[[0, 2]]) and want[1].isnan().all()
+        assert "x: rank 1's input to row has rows of shape (4,), rank 0's (3,)" in result["rows"]
+        assert "x: rank 1's input to row has 64 columns, but its slice of the layer takes 32" in result["columns"]
+        assert result["ids"] == "top_k_index: value 4 at [1, 1] is outside [0, 4)"
+        assert "top_k_index: rank 1's MoE input differs from rank 0's (shape (3, 2) vs (3, 2), crc32" in \
+            result["routing"]
+        assert torch.equal(*result["moe"])
 
 
 @pytest.mark.parametrize("sizes,message", [

@@ -221,6 +221,28 @@ def test_overlapping_operands_are_rejected():
     qkv = torch.randn(2, 32)
     with pytest.raises(ValueError, match="cos: overlaps x"):
         ops.rotary_embedding_(qkv, qkv.view(-1)[:16].view(2, 8), torch.ones(2, 8), 2)
+    stream = torch.randn(4, 8)  # an fp32 weight is read in place while x is written: the result hung on the threads
+    with pytest.raises(ValueError, match="weight: overlaps x"):
+        ops.add_rms_norm_(stream, torch.randn(4, 8), stream[2], 1e-5)
+
+
+def test_layer_ops_refuse_gradients_instead_of_dropping_them():
+    """They have no autograd formula: y = rms_norm(x) + x gave x.grad = 1 (rms_norm's part missing) with only torch's
+    warning. The functional ones raise at backward, the in-place ones at the call."""
+    x = torch.randn(3, 8, requires_grad=True)
+    y = ops.rms_norm(x, torch.ones(8), 1e-6) + x
+    with pytest.raises(ValueError, match="^x: requires grad, but rms_norm has no gradient"):
+        y.sum().backward()
+    q = torch.randn(5, 2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="^q: requires grad, but causal_attention has no gradient"):
+        ops.causal_attention(q, torch.randn(1, 5, 8), torch.randn(1, 5, 8), 0.5).sum().backward()
+    weight = torch.ones(8, requires_grad=True)
+    with pytest.raises(ValueError, match="^weight: requires grad, but add_rms_norm_ has no gradient.*no_grad"):
+        ops.add_rms_norm_(torch.randn(3, 8), torch.randn(3, 8), weight, 1e-6)
+    with pytest.raises(ValueError, match="^x: requires grad, but rotary_embedding_ has no gradient"):
+        ops.rotary_embedding_(x.clone(), torch.ones(3, 4), torch.zeros(3, 4), 1)
+    with torch.no_grad():  # inference, as the lean loop runs them
+        ops.add_rms_norm_(torch.randn(3, 8), torch.randn(3, 8), weight, 1e-6)
 
 
 def test_non_finite_scores_give_nan_rows():

@@ -251,6 +251,34 @@ def test_shared_amax_quantizes_slices_as_the_whole_row(variant, gen):
         w8a8_cpu.per_token_quant_int8(x, amax[:3])
 
 
+def test_a_given_amax_keeps_the_row_rules(variant, gen):
+    """A caller's amax skipped the row's own pass: a NaN/Inf row became finite +-127 codes (finite outputs, also under
+    W8A8_CPU_CHECK_FINITE=1), and an amax below the row's absmax saturated it, silently. Now the row's own absmax is
+    read too: a non-finite row (or a NaN / +Inf amax, as the maximum over ranks gives) is a NaN row, an amax below the
+    row's is a ValueError naming amax."""
+    x = torch.randn(4, 40, generator=gen)
+    x[1, 7], x[2, 3] = float("nan"), float("-inf")
+    amax = torch.full((4,), 8.0)
+    q, s = w8a8_cpu.per_token_quant_int8(x, amax)
+    assert s[1:3].isnan().all() and not q[1:3].any()
+    assert torch.equal(s[[0, 3]], torch.full((2, 1), 8.0 / 127))
+    amax[3] = float("inf")
+    amax[0] = float("nan")
+    q, s = w8a8_cpu.per_token_quant_int8(x, amax)
+    assert s.isnan().all() and not q.any()
+    w_q, w_scale = random_weight(5, 40, gen)
+    out = w8a8_cpu.int8_scaled_mm_with_quant(x, w_q, w_scale, amax=torch.full((4,), 8.0))
+    assert out[1:3].isnan().all() and not out[[0, 3]].isnan().any()
+    clean = torch.randn(3, 40, generator=gen)
+    own = clean.abs().amax(dim=1)
+    for given in (own * 0.99, -own, torch.zeros(3)):
+        given[0], given[2] = own[0], own[2]  # row 1 only
+        for call in (lambda: w8a8_cpu.per_token_quant_int8(clean, given),
+                     lambda: w8a8_cpu.int8_scaled_mm_with_quant(clean, w_q, w_scale, amax=given)):
+            with pytest.raises(ValueError, match=r"^amax: row 1's amax .* is below the row's own absolute maximum"):
+                call()
+
+
 @pytest.mark.skipif(not hasattr(torch.library, "opcheck"),
                     reason=f"torch.library.opcheck needs torch >= 2.4 (this is torch {torch.__version__})")
 @pytest.mark.parametrize(

@@ -83,7 +83,10 @@ def test_int4_blob_size_matches_the_python_rule(variant, gen):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q * 2, s, m, 32), "int4 weights must lie in \\[-8, 7\\]"),
+    (lambda q, s, m: w8a8_cpu.pack_weight_int4(q * 2, s, m, 32), "^q: int4 weights must lie in \\[-8, 7\\]"),
+    # finite weights whose range overflows fp32: an inf step, refused only at packing (naming scale)
+    (lambda q, s, m: w8a8_cpu.quantize_weight_int4(q.float() * 4e37, 32, symmetric=False),
+     r"^w: a group's range \(max - min\) overflows float32"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 48), "group_size: expected 0 \\(per channel\\) or a power"),
     (lambda q, s, m: w8a8_cpu.pack_weight_int4(q, s, m, 16), "group_size"),
     # the blob's limit, stated before any work (it used to pass quantize_weight_int4 and fail only at packing)

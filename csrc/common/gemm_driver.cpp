@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
@@ -25,44 +26,73 @@ bool holds_int8_min(const int8_t* a, int64_t m, int64_t lda, int64_t k) {
   return false;
 }
 
-// One row of quantize_rows; false for a non-finite row (scale NaN, q zeros).
-bool quantize_row_checked(const MicroKernel& kernel, const void* row, FloatKind kind, int64_t k, const float* amax_given,
-                          int8_t* q, float* scale) {
-  uint32_t amax_bits;
-  if (amax_given)
-    std::memcpy(&amax_bits, amax_given, 4), amax_bits &= 0x7fffffffu;
-  else
-    amax_bits = kernel.row_absmax_bits(row, kind, k);
+enum class RowQuantized { ok, non_finite, amax_below_row };
+
+// One row of quantize_rows. amax_given (may be null): the absmax to quantize with instead of the row's own, which is
+// read either way: a NaN/Inf row stays non-finite whatever the caller's amax (a finite one turned it into +-127
+// codes: finite outputs, silently), and an amax below the row's own would saturate the row (silently). A NaN or
+// +Inf amax marks the row non-finite (the maximum over ranks of which one holds a NaN/Inf).
+RowQuantized quantize_row_checked(const MicroKernel& kernel, const void* row, FloatKind kind, int64_t k,
+                                  const float* amax_given, int8_t* q, float* scale) {
+  uint32_t amax_bits = kernel.row_absmax_bits(row, kind, k);
+  if (amax_given && amax_bits < 0x7f800000u) {
+    float own;
+    std::memcpy(&own, &amax_bits, 4);
+    if (*amax_given < own) return RowQuantized::amax_below_row;  // (a negative amax too; NaN compares false)
+    std::memcpy(&amax_bits, amax_given, 4), amax_bits &= 0x7fffffffu;  // (-0 for an all-zero row)
+  }
   if (amax_bits >= 0x7f800000u) {
     *scale = std::numeric_limits<float>::quiet_NaN();
     std::memset(q, 0, static_cast<size_t>(k));
-    return false;
+    return RowQuantized::non_finite;
   }
   float amax;
   std::memcpy(&amax, &amax_bits, 4);
   amax = std::max(amax, kAmaxEps);
   *scale = amax / 127.f;
   kernel.quantize_row(row, kind, k, 127.f / amax, q);
-  return true;
+  return RowQuantized::ok;
 }
 
-// Rows [r0, r1) of quantize_rows / linear: row r from x + r * ldx into q + r * ldq and scales[r]; the lowest
-// non-finite row seen by any thread is kept in first_bad (m when none).
+// The lowest row of each failure that any thread saw (m when none).
+struct RowFailures {
+  explicit RowFailures(int64_t m) : non_finite(m), amax_below_row(m) {}
+  std::atomic<int64_t> non_finite, amax_below_row;
+
+  static void note(std::atomic<int64_t>& lowest, int64_t r) {
+    int64_t seen = lowest.load();
+    while (r < seen && !lowest.compare_exchange_weak(seen, r)) {
+    }
+  }
+};
+
+// Rows [r0, r1) of quantize_rows / linear: row r from x + r * ldx into q + r * ldq and scales[r].
 void quantize_row_range(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t ldx, int64_t k,
                         const float* row_amax, int8_t* q, int64_t ldq, float* scales, int64_t r0, int64_t r1,
-                        std::atomic<int64_t>& first_bad) {
+                        RowFailures& failures) {
   for (int64_t r = r0; r < r1; ++r) {
-    if (quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, k, row_amax ? row_amax + r : nullptr,
-                             q + r * ldq, scales + r))
-      continue;
-    int64_t seen = first_bad.load();
-    while (r < seen && !first_bad.compare_exchange_weak(seen, r)) {
-    }
+    const RowQuantized result = quantize_row_checked(kernel, element_at(x, kind, r * ldx), kind, k,
+                                                     row_amax ? row_amax + r : nullptr, q + r * ldq, scales + r);
+    if (result != RowQuantized::ok)
+      RowFailures::note(result == RowQuantized::non_finite ? failures.non_finite : failures.amax_below_row, r);
   }
 }
 
-int64_t first_bad_row(const std::atomic<int64_t>& first_bad, int64_t m) {
-  const int64_t bad = first_bad.load();
+// After the quantization region: throws std::invalid_argument naming amax for the lowest row whose given absmax is
+// below its own; else returns the first non-finite row or -1.
+int64_t checked_rows(const RowFailures& failures, int64_t m, const MicroKernel& kernel, const void* x, FloatKind kind,
+                     int64_t ldx, int64_t k, const float* row_amax) {
+  const int64_t below = failures.amax_below_row.load();
+  if (below < m) {
+    const uint32_t own_bits = kernel.row_absmax_bits(element_at(x, kind, below * ldx), kind, k);
+    float own;
+    std::memcpy(&own, &own_bits, 4);
+    char message[160];
+    std::snprintf(message, sizeof message, "amax: row %lld's amax %.9g is below the row's own absolute maximum %.9g "
+                  "(amax must be >= max|x| of its row)", static_cast<long long>(below), row_amax[below], own);
+    throw std::invalid_argument(message);
+  }
+  const int64_t bad = failures.non_finite.load();
   return bad < m ? bad : -1;
 }
 
@@ -73,11 +103,11 @@ int64_t rows_per_claim(int64_t k) { return std::max<int64_t>(1, 65536 / std::max
 
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for, const float* row_amax) {
-  std::atomic<int64_t> first_bad{m};
+  RowFailures failures(m);
   dynamic_for(m, rows_per_claim(k), parallel_for, [&](int64_t r0, int64_t r1) {
-    quantize_row_range(kernel, x, kind, ldx, k, row_amax, q, ldq, scales, r0, r1, first_bad);
+    quantize_row_range(kernel, x, kind, ldx, k, row_amax, q, ldq, scales, r0, r1, failures);
   });
-  return first_bad_row(first_bad, m);
+  return checked_rows(failures, m, kernel, x, kind, ldx, k, row_amax);
 }
 
 int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padded) {
@@ -333,15 +363,16 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   auto* q = static_cast<int8_t*>(scratch);
   auto* sums = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign));
   auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(a_group_sums_nbytes(w, m), kAlign);
-  std::atomic<int64_t> first_bad{m};
+  RowFailures failures(m);
   dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
-    quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, first_bad);
+    quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, failures);
     prepare_rows_for(kernel, w, r0, r1, [&](int64_t r) { return q + r * h.k; }, a_packed, sums);
   });
+  const int64_t bad = checked_rows(failures, m, kernel, x, kind, ldx, h.k, row_amax);
   o.a_scales = a_scales_out;
   o.a_group_sums = sums;
   gemm_packed(kernel, a_packed, packed_a_stride(kernel, w), m, w, o, parallel_for);
-  return first_bad_row(first_bad, m);
+  return bad;
 }
 
 void silu_mul(const MicroKernel& kernel, float* gate, const float* up, int64_t n) {

@@ -21,7 +21,8 @@ constexpr float kAmaxEps = 1e-10f;
 // activation row gives a non-finite output row and leaves the other rows exact (one bad request must not fail a
 // whole batch). Returns the first such row (callers in strict mode reject it), or -1 when all rows are finite.
 // row_amax (may be null): each row's absmax to quantize with instead of its own, e.g. the maximum over the ranks that
-// hold slices of one row (>= the slice's own absmax, finite; NaN/Inf mark the row non-finite as above).
+// hold slices of one row. The row's own absmax is read too: a NaN/Inf row, or a NaN/+Inf row_amax, marks the row
+// non-finite as above; a row_amax below the row's own throws std::invalid_argument naming amax.
 int64_t quantize_rows(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t k, int64_t ldx,
                       int8_t* q, int64_t ldq, float* scales, const ParallelFor& parallel_for,
                       const float* row_amax = nullptr);

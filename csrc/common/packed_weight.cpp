@@ -249,11 +249,11 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
   const PanelLayout layout = kernel.geometry().layout;
   const int nr = layout.nr;
   format.scheme = mins ? WeightScheme::int4_min : WeightScheme::int4;
-  const PackedWeightSizes sizes = checked_sizes(n, k, layout, format, "w");
+  const PackedWeightSizes sizes = checked_sizes(n, k, layout, format, "q");
   for (int64_t row = 0; row < n; ++row)
     for (int64_t kk = 0; kk < k; ++kk)
       if (q[row * ldq + kk] < -8 || q[row * ldq + kk] > 7)
-        throw std::invalid_argument("w: int4 weights must lie in [-8, 7]; row " + std::to_string(row) + ", k " +
+        throw std::invalid_argument("q: int4 weights must lie in [-8, 7]; row " + std::to_string(row) + ", k " +
                                     std::to_string(kk) + " holds " + std::to_string(q[row * ldq + kk]));
   write_header(kernel, n, k, format, sizes, blob);
   uint8_t* panels = blob + sizeof(PackedWeightHeader);

@@ -419,9 +419,10 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d, const at::Ten
   const int64_t m = x2d.size(0), k = x2d.size(1);
   auto q = at::empty({m, k}, x2d.options().dtype(at::kChar));
   auto scales = at::empty({m, 1}, x2d.options().dtype(at::kFloat));
-  const int64_t bad =
-      quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(), k,
-                    scales.data_ptr<float>(), kTorchParallelFor, amax.defined() ? amax.data_ptr<float>() : nullptr);
+  const int64_t bad = as_value_errors([&] {
+    return quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(), k,
+                         scales.data_ptr<float>(), kTorchParallelFor, amax.defined() ? amax.data_ptr<float>() : nullptr);
+  });
   check_finite_rows(bad, "x");
   return {q, scales};
 }
@@ -572,6 +573,10 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor* delta, const at:
   float_kind(weight.scalar_type(), "weight");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n, "weight: expected shape [", n,
                     "] (the last dimension of x), got ", weight.sizes());
+  // (an fp32 weight is read in place, by every thread, while the rows of x are written: the output depended on the
+  // thread count)
+  TORCH_CHECK_VALUE(!delta || at::get_overlap_status(x, weight) == at::MemOverlapStatus::No,
+                    "weight: overlaps x (x is updated in place); pass a copy");
   TORCH_CHECK_VALUE(eps >= 0 && eps <= std::numeric_limits<float>::max(), "eps: expected a finite float32 value >= 0, "
                     "got ", eps);
   const at::Tensor w = aligned(weight.to(at::kFloat).contiguous());

@@ -5,7 +5,10 @@ straight-through estimates: the per-token int8 rounding of the activations count
 gradient is the float computation's with the dequantized weights (w_int8 * w_scale per output channel), in fp32,
 cast to the input's dtype. Weights, scales and biases are frozen. per_token_quant_int8 and int8_scaled_mm have
 no useful gradient. Backward through any op raises ValueError naming the input that asked for a gradient it does
-not get, instead of leaving that gradient None. (pack_weight takes only int8, which cannot require grad.)
+not get, instead of leaving that gradient None. (pack_weight takes only int8, which cannot require grad.) The lean
+decode loop's layer ops have no gradient either: rms_norm and causal_attention raise at backward; the in-place ones
+(add_rms_norm_, rotary_embedding_, decode_attention_: torch registers no autograd formula for an op that mutates its
+input) raise at the call when an input requires grad with grad mode on.
 
 Older torch keeps the ops without autograd formulas: their outputs then do not carry gradients."""
 from __future__ import annotations
@@ -154,8 +157,31 @@ def _moe_backward(ctx, grad_out):
     return grad_hidden, None, None, grad_weights, None, None, None, None, None
 
 
+_INFERENCE_ONLY = "has no gradient (a layer op of the lean decode loop, for inference)"
+
+
+def _refuse_gradient(op: str):
+    """An Autograd-key kernel for an in-place op: ValueError naming the first input that requires grad (with grad mode
+    on), else the op below autograd. Without it torch's fallback let backward through such an op run on, with a
+    warning and the op's part of the gradient missing."""
+    overload = getattr(_ops, op).default
+    names = [arg.name for arg in overload._schema.arguments]
+
+    def kernel(*args, **kwargs):
+        if torch.is_grad_enabled():
+            for name, value in [*zip(names, args), *kwargs.items()]:
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    raise ValueError(f"{name}: requires grad, but {op} {_INFERENCE_ONLY}; call it under "
+                                     f"torch.no_grad() or torch.inference_mode()")
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)
+
+    return kernel
+
+
 # Whether this torch can register the formulas (torch >= 2.4); without them the ops have no Python autograd kernel.
 AVAILABLE = hasattr(torch.library, "register_autograd")
+_library = None  # the Library holding the in-place ops' Autograd kernels (kept alive: dropping it unregisters them)
 
 
 def register() -> None:
@@ -181,3 +207,9 @@ def register() -> None:
     torch.library.register_autograd(
         "w8a8_cpu::scale_accumulators",
         _no_gradient("scale_accumulators", f"has no gradient (its accumulators are int32); {_STRAIGHT_THROUGH}"))
+    for op in ("rms_norm", "causal_attention"):
+        torch.library.register_autograd(f"w8a8_cpu::{op}", _no_gradient(op, _INFERENCE_ONLY))
+    global _library
+    _library = torch.library.Library("w8a8_cpu", "IMPL")
+    for op in ("add_rms_norm_", "rotary_embedding_", "decode_attention_"):
+        _library.impl(op, _refuse_gradient(op), "Autograd")

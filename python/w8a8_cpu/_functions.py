@@ -46,9 +46,10 @@ def per_token_quant_int8(x: torch.Tensor, amax: Optional[torch.Tensor] = None) -
     """x bf16/fp16/fp32 [M, K] -> (x_q int8 [M, K], x_scale fp32 [M, 1]). A NaN/Inf row gets scale NaN and q = 0
     (so its matmul output row is NaN), or raises ValueError under W8A8_CPU_CHECK_FINITE=1.
 
-    amax (fp32 [M] or [M, 1]): quantize row i with this absmax instead of its own (it must be >= the row's, e.g.
-    the maximum over the ranks holding slices of one row: each rank then quantizes its slice exactly as the whole
-    row would be). No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
+    amax (fp32 [M] or [M, 1]): quantize row i with this absmax instead of its own, e.g. the maximum over the ranks
+    holding slices of one row: each rank then quantizes its slice exactly as the whole row would be. It must be >=
+    the row's own absmax (ValueError naming amax otherwise: the row would saturate); a NaN/Inf row, or a NaN/+Inf
+    amax, gives that row scale NaN and q = 0 as above. No gradient: backward through x_scale raises (int8_scaled_mm_with_quant has one)."""
     _require_tensors(x=x)
     return ops.per_token_quant_int8(x, amax)
 
@@ -431,6 +432,15 @@ def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 CLIP_FACTORS = tuple(1.0 - 0.05 * i for i in range(9))
 
 
+def _finite_range_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A zero-point grid's step, (max - min) / 15: finite weights whose range overflows fp32 (beyond ~3.4e38) gave an
+    inf step, refused only later at packing (naming scale)."""
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("w: a group's range (max - min) overflows float32; scale the weight down or quantize it "
+                         "symmetrically")
+    return scale.clamp_min(1e-10)
+
+
 class _Int4Grid(NamedTuple):
     """One int4 rounding rule per group (fields broadcast against the group's weights): q = clamp(round((w - origin) /
     scale) + shift, -8, 7), w ~ scale * q + minimum with minimum = origin - shift * scale. Round-to-nearest and GPTQ
@@ -449,11 +459,11 @@ class _Int4Grid(NamedTuple):
             return cls(scale, torch.zeros_like(scale), torch.zeros_like(scale))
         if min_max:
             low = grouped.amin(dim=-1, keepdim=keepdim)
-            scale = ((grouped.amax(dim=-1, keepdim=keepdim) - low) / 15).clamp_min(1e-10)
+            scale = _finite_range_scale((grouped.amax(dim=-1, keepdim=keepdim) - low) / 15)
             return cls(scale, low, torch.full_like(scale, -8.0))
         low = grouped.amin(dim=-1, keepdim=keepdim).clamp(max=0.0)
         high = grouped.amax(dim=-1, keepdim=keepdim).clamp(min=0.0)
-        scale = ((high - low) / 15).clamp_min(1e-10)
+        scale = _finite_range_scale((high - low) / 15)
         zero = torch.round(-low / scale).clamp(0, 15)
         return cls(scale, torch.zeros_like(scale), zero - 8)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import math
 import os
 import time
 import zlib
@@ -256,21 +257,42 @@ def row_parallel(layer: W8A8Linear, cols: slice, name: str, exact: bool = True, 
 class RowParallelW8A8Linear(torch.nn.Module):
     """This rank's input columns of a W8A8Linear (`local`: int8 weight [N, K / world size], the whole layer's
     scales and bias); forward takes this rank's K-slice of the input and returns the full output on every rank
-    (see the module doc: exact=True is bit-identical to the unsharded layer)."""
+    (see the module doc: exact=True is bit-identical to the unsharded layer). Every rank passes the same rows, each
+    its own K-slice: on its own, each call compares the ranks' input shapes first (one small all-gather; a row count
+    that differed aborted a rank inside gloo); in a model sharded by shard_model / load_sharded the model's input
+    check covers it (inputs_agreed)."""
 
     def __init__(self, local: W8A8Linear, name: str, exact: bool = True, group=None):
         super().__init__()
         self.name, self.exact, self.group = name, exact, group
         self.out_features, self.in_features = local.out_features, local.in_features
         self.rank = dist.get_rank(group)
+        self.inputs_agreed = False
         self.register_buffer("weight_packed", local.weight_packed)
         self.register_buffer("w_scale", local.w_scale)
         self.register_buffer("bias", local.bias)
 
+    def _check_input_shapes(self, x: torch.Tensor) -> None:
+        mine = torch.tensor([*_shape_fingerprint(x.shape[:-1]), x.shape[-1], self.in_features], dtype=torch.int64)
+        everyone = _gathered(mine, f"{self.name}: input agreement", self.group)
+        for rank, theirs in enumerate(everyone):
+            if theirs[-2] != theirs[-1]:
+                raise ValueError(f"x: rank {rank}'s input to {self.name} has {int(theirs[-2])} columns, but its slice "
+                                 f"of the layer takes {int(theirs[-1])}")
+            if not torch.equal(theirs[:-2], everyone[0][:-2]):
+                raise ValueError(f"x: rank {rank}'s input to {self.name} has rows of shape {_shape_of(theirs)}, rank "
+                                 f"0's {_shape_of(everyone[0])}; every rank passes the same rows (each its K-slice)")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inputs_agreed:
+            self._check_input_shapes(x)
         x2 = x.reshape(-1, x.shape[-1])
         if self.exact:
-            amax = all_reduce(x2.abs().amax(dim=-1).float(), dist.ReduceOp.MAX, f"{self.name}: row absmax", self.group)
+            # a NaN row absmax as +Inf: gloo's MAX keeps or drops NaN by operand order (a NaN on one rank gave every
+            # rank a finite row), Inf survives it and marks the row non-finite on every rank (per_token_quant_int8)
+            row_amax = x2.abs().amax(dim=-1).float()
+            row_amax.masked_fill_(row_amax.isnan(), math.inf)
+            amax = all_reduce(row_amax, dist.ReduceOp.MAX, f"{self.name}: row absmax", self.group)
             x_q, x_scale = per_token_quant_int8(x2, amax)
             acc = all_reduce(int8_mm(x_q, self.weight_packed), dist.ReduceOp.SUM, f"{self.name}: int32 partial sums",
                              self.group)
@@ -288,16 +310,23 @@ class RowParallelW8A8Linear(torch.nn.Module):
 class ExpertParallelW8A8Experts(torch.nn.Module):
     """This rank's experts (`local`, experts first_expert.. of num_experts) of a W8A8Experts; forward(hidden [T, H],
     top_k_index [T, k], top_k_weights [T, k]) returns the full MoE output on every rank (exact=True: bit-identical
-    to the unsharded module)."""
+    to the unsharded module). Every rank passes the same inputs: on its own, each call compares them first (shape
+    and crc32, one small all-gather); in a model sharded by shard_model / load_sharded the model's input check covers
+    it (inputs_agreed)."""
 
     def __init__(self, local: W8A8Experts, first_expert: int, num_experts: int, name: str, exact: bool = True,
                  group=None):
         super().__init__()
         self.name, self.exact, self.group = name, exact, group
         self.first_expert, self.num_experts, self.local = first_expert, num_experts, local
+        self.inputs_agreed = False
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not self.inputs_agreed:
+            _require_same({"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights},
+                          "MoE input", "every rank must pass the same tokens and routing", self.group)
+        _check_expert_ids(top_k_index, self.num_experts)
         tokens, top_k = top_k_index.shape
         local_ids = top_k_index - self.first_expert
         token, slot = ((local_ids >= 0) & (local_ids < self.local.num_experts)).nonzero(as_tuple=True)
@@ -352,39 +381,69 @@ def _config_values(config) -> Dict[str, str]:
             if k not in ("_name_or_path", "transformers_version")}
 
 
-def _input_fingerprint(ids: torch.Tensor) -> torch.Tensor:
-    """[shape dims (4, padded with -1), crc32 of the bytes] of a forward's input: a fixed size, so the exchange
-    itself cannot mismatch."""
-    t = ids.detach().contiguous()
-    shape = list(t.shape)[:4] + [-1] * (4 - min(t.dim(), 4))
-    crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else 0
-    return torch.tensor([t.dim(), *shape, crc], dtype=torch.int64)
+def _shape_fingerprint(shape) -> List[int]:
+    """[dims, the first 4 sizes (padded with -1), number of elements]: a fixed size, so that exchanging it cannot
+    itself mismatch across ranks."""
+    sizes = list(shape)
+    return [len(sizes), *sizes[:4], *[-1] * (4 - min(len(sizes), 4)), math.prod(sizes)]
+
+
+def _shape_of(fingerprint: torch.Tensor) -> tuple:
+    return tuple(int(d) for d in fingerprint[1:1 + min(int(fingerprint[0]), 4)])
+
+
+def _gathered(mine: torch.Tensor, what: str, group) -> List[torch.Tensor]:
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    _collective(what, lambda: dist.all_gather(everyone, mine, group=group), mine)
+    return everyone
+
+
+def _require_same(tensors: Dict[str, torch.Tensor], what: str, advice: str, group) -> None:
+    """Every rank's tensors equal to rank 0's (shape and crc32 of the bytes, one small all-gather), else the same
+    ValueError on every rank naming the first that differs: a size that differed would abort a rank inside the next
+    all-reduce (gloo ends the process), other values would give every rank a wrong answer."""
+    def fingerprint(t: torch.Tensor) -> List[int]:
+        t = t.detach().contiguous()
+        return [*_shape_fingerprint(t.shape), zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data)]
+
+    everyone = _gathered(torch.tensor([fingerprint(t) for t in tensors.values()], dtype=torch.int64),
+                         f"{what} agreement", group)
+    for rank, theirs in enumerate(everyone):
+        for name, a, b in zip(tensors, theirs, everyone[0]):
+            if not torch.equal(a, b):
+                raise ValueError(f"{name}: rank {rank}'s {what} differs from rank 0's (shape {_shape_of(a)} vs "
+                                 f"{_shape_of(b)}, crc32 {int(a[-1]):#x} vs {int(b[-1]):#x}); {advice}")
+
+
+def _check_expert_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
+    """fused_experts' rule on the whole model's ids: each rank keeps the ids of its experts, so an id outside every
+    rank's range was dropped on all of them (its slot added 0, silently)."""
+    bad = (top_k_index < 0) | (top_k_index >= num_experts)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"top_k_index: value {int(top_k_index[tuple(where)])} at {where} is outside "
+                         f"[0, {num_experts})")
 
 
 def _check_same_input(group):
     """A forward pre-hook for a sharded model: every rank's input ids (or input embeddings) equal, checked with one
-    small all-gather per forward; else ValueError on every rank (a token count that differs would abort a rank
-    inside the first all-reduce, other ids would give every rank a wrong answer)."""
+    small all-gather per forward."""
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        if not isinstance(ids, torch.Tensor):
-            return
-        mine = _input_fingerprint(ids)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        _collective("forward input agreement", lambda: dist.all_gather(everyone, mine, group=group), mine)
-        for rank, theirs in enumerate(everyone):
-            if not torch.equal(theirs, everyone[0]):
-                shape = lambda f: tuple(int(d) for d in f[1:1 + min(int(f[0]), 4)])  # noqa: E731
-                raise ValueError(f"input: rank {rank}'s forward input differs from rank 0's (shape {shape(theirs)} vs "
-                                 f"{shape(everyone[0])}, crc32 {int(theirs[-1]):#x} vs {int(everyone[0][-1]):#x}); "
-                                 f"every rank must run the same tokens")
+        if isinstance(ids, torch.Tensor):
+            _require_same({"input": ids}, "forward input", "every rank must run the same tokens", group)
     return hook
 
 
 def _sharded_forward_checks(model: torch.nn.Module, group) -> None:
+    """The model's input compared across ranks once per forward; its sharded modules then skip their own comparison
+    (what they are given follows from that input and the weights, which are compared when sharding)."""
     model.register_forward_pre_hook(_check_same_input(group), with_kwargs=True)
+    for module in model.modules():
+        if isinstance(module, (RowParallelW8A8Linear, ExpertParallelW8A8Experts)):
+            module.inputs_agreed = True
 
 
 # ---- whole models ----------------------------------------------------------------------------------------------

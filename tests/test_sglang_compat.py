@@ -263,16 +263,29 @@ def test_int8_gemm_rejects_integer_bias():
         call(torch.ones(16, dtype=torch.float64))  # any float bias, as upstream
 
 
+def test_errors_name_upstreams_arguments():
+    """The shim's errors came from w8a8_cpu's ops, naming their arguments (x, w), not the schema's (A, mat2)."""
+    a, b_q, b_s = torch.randn(2, 64), rand_int8(16, 64), torch.rand(16)
+    with pytest.raises(ValueError, match="^mat2: packed weight header is inconsistent with its size"):
+        ops.int8_scaled_mm_with_quant(a, ops.convert_weight_packed(b_q)[:8], b_s, None, torch.float32, True)
+    a_q, a_s = ops.per_token_quant_int8_cpu(a)
+    with pytest.raises(ValueError, match=r"^scales1: expected shape \[2\]"):
+        ops.int8_scaled_mm_cpu(a_q, b_q, a_s[:1], b_s, None, torch.float32, True)
+
+
 def test_fake_kernels_validate_like_the_ops():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     a, b_q, b_s = torch.randn(2, 64), rand_int8(16, 64), torch.rand(16)
     packed = ops.convert_weight_packed(b_q)
     bad = [(lambda: ops.int8_scaled_mm_with_quant(a, packed, b_s, None, torch.float32, False), "is_vnni=True"),
-           (lambda: ops.int8_scaled_mm_with_quant(a[:, :10], b_q, b_s, None, torch.float32, True), "w: K mismatch"),
+           (lambda: ops.int8_scaled_mm_with_quant(a[:, :10], b_q, b_s, None, torch.float32, True), "^mat2: K mismatch"),
            (lambda: ops.int8_scaled_mm_with_quant(a, b_q, b_s, torch.ones(16, dtype=torch.int32), torch.float32,
                                                   True), "bias: expected a floating-point"),
-           (lambda: ops.per_token_quant_int8_cpu(a[None]), "x: expected a 2-D"),
+           (lambda: ops.per_token_quant_int8_cpu(a[None]), "^A: expected a 2-D"),
+           # the ops' own argument names, x, w and w_scale, are upstream's A, weight, mat2 and scales2 here
+           (lambda: ops.convert_weight_packed(rand_int8(0, 64)), "^weight: "),
+           (lambda: ops.int8_scaled_mm_with_quant(a, b_q, b_s[:3], None, torch.float32, True), "^scales2: "),
            (lambda: ops.fused_experts_cpu(a, rand_int8(4, 64, 64), rand_int8(4, 64, 32), torch.rand(2, 2),
                                           torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), False, 2,
                                           torch.rand(4, 64), torch.rand(4, 64), None, None, None, None, None, None,

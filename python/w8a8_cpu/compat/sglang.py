@@ -25,6 +25,7 @@ the arguments as running does.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Dict, List, Optional
@@ -59,6 +60,23 @@ _registered: List[str] = []
 
 # ---- implementations (CPU) -------------------------------------------------------------------------------------
 
+def _upstream_names(names: Dict[str, str]):
+    """The implementation's ValueErrors name upstream's arguments: a w8a8_cpu op's error names its own ("x: ...",
+    "w: ..."), which a caller of sgl_kernel's schema does not see; `names` maps them."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def renamed(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except ValueError as e:
+                head, colon, rest = str(e).partition(": ")
+                if colon and head in names:
+                    raise ValueError(f"{names[head]}: {rest}") from None
+                raise
+        return renamed
+    return wrap
+
+
 def _is_packed(w: torch.Tensor) -> bool:
     return w.dtype == torch.uint8
 
@@ -83,6 +101,7 @@ def _float_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return bias.to(torch.float32)
 
 
+@_upstream_names({"w": "weight"})
 def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.int8:
         raise ValueError(f"weight: w8a8_cpu's sgl_kernel shim packs int8 weights only (W8A8), got {weight.dtype}")
@@ -110,22 +129,26 @@ def _blob(mat2: torch.Tensor) -> torch.Tensor:
     return flat[:declared] if HEADER_BYTES <= declared <= flat.numel() else flat
 
 
+@_upstream_names({"x": "A"})
 def per_token_quant_int8_cpu(A: torch.Tensor):
     a_q, a_scale = _ops.per_token_quant_int8(A)
     return torch.bitwise_xor(a_q.view(torch.uint8), 0x80), a_scale.reshape(-1)
 
 
+@_upstream_names({"x_q": "mat1", "w": "mat2", "x_scale": "scales1", "w_scale": "scales2"})
 def int8_scaled_mm_cpu(mat1, mat2, scales1, scales2, bias, out_dtype, is_vnni):
     _check_weight(mat2, is_vnni, "mat2")
     return _ops.int8_scaled_mm(_activations_int8(mat1), _blob(mat2), scales1.reshape(-1, 1), scales2.reshape(-1),
                                _float_bias(bias), out_dtype)
 
 
+@_upstream_names({"x": "mat1", "w": "mat2", "w_scale": "scales2"})
 def int8_scaled_mm_with_quant(mat1, mat2, scales2, bias, out_dtype, is_vnni):
     _check_weight(mat2, is_vnni, "mat2")
     return _ops.int8_scaled_mm_with_quant(mat1, _blob(mat2), scales2.reshape(-1), _float_bias(bias), out_dtype)
 
 
+@_upstream_names({"hidden": "hidden_states", "w13": "w1", "w13_scale": "w1_scale"})
 def fused_experts_cpu(hidden_states, w1, w2, topk_weights, topk_ids, inplace, moe_comp_method, w1_scale, w2_scale,
                       w1_zero, w2_zero, block_size, w1_bias, w2_bias, alpha, limit, is_vnni, activation=None):
     if moe_comp_method != INT8_W8A8:

@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 import subprocess
@@ -57,6 +58,22 @@ def require_optional(available: bool, hint: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes") and not EMULATED:
         pytest.fail(f"CI must install it: {hint}")
     pytest.skip(f"not installed: {hint}")
+
+
+@contextlib.contextmanager
+def alarm(seconds: int, what: str):
+    """Raises TimeoutError(what) in the main thread after `seconds` (SIGALRM): a regression that blocks (a FIFO opened
+    for reading, a lock never released) fails its test instead of hanging the suite."""
+    def expired(*_):
+        raise TimeoutError(what)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_configure(config):

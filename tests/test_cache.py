@@ -5,11 +5,12 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
+import stat
 import time
 
 import pytest
 
+from conftest import alarm
 from w8a8_cpu.llm import cache
 
 KEY = {"format": 1, "source": "abc"}
@@ -24,26 +25,23 @@ def root(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def deadline():
-    def expired(*_):
-        raise TimeoutError("the cache blocked")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    with alarm(20, "the cache blocked"):
+        yield
 
 
 class Builder:
-    """build(staging): writes the required files (model.safetensors of `size` bytes); counts its calls."""
+    """build(staging): writes the required files (model.safetensors of `size` bytes) and whatever `extra(staging)`
+    adds; counts its calls."""
 
-    def __init__(self, files=REQUIRED, size=100):
-        self.files, self.size, self.calls = files, size, 0
+    def __init__(self, files=REQUIRED, size=100, extra=None):
+        self.files, self.size, self.extra, self.calls = files, size, extra, 0
 
     def __call__(self, staging):
         self.calls += 1
         for name in self.files:
             (staging / name).write_bytes(b"x" * (self.size if name == "model.safetensors" else 2))
+        if self.extra is not None:
+            self.extra(staging)
 
 
 def ensure(builder, key=KEY):
@@ -171,3 +169,81 @@ def test_reader_lock_is_shared_and_blocks_the_sweep_only(root):
         fd = os.open(lock, os.O_RDWR)
         with contextlib.closing(os.fdopen(fd)), pytest.raises(BlockingIOError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+# ---- a root other users can write to (W8A8_CPU_CACHE=/tmp/shared): a folder planted under the name a key gives, or
+# left writable by others, is refused naming it; what a builder leaves (links, folders) is published without touching
+# anything outside the cache; lock files are opened read-only, so that other users can lock them
+
+def test_folder_owned_by_another_user_refused_naming_it(root):
+    if os.getuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    folder = ensure(Builder())
+    for path in (folder, *folder.iterdir()):  # as if another user had planted it, marker and all
+        os.chown(path, 65534, 65534)
+    builder = Builder()
+    with pytest.raises(ValueError, match=rf"{folder.name}: owned by uid 65534, neither this user nor root"):
+        ensure(builder)
+    assert builder.calls == 0
+
+
+@pytest.mark.parametrize("what", ["folder", "marker", "model.safetensors"])
+@pytest.mark.parametrize("mode", [0o020, 0o002])
+def test_folder_or_file_writable_by_others_refused_naming_it(root, what, mode):
+    folder = ensure(Builder())
+    path = folder if what == "folder" else folder / (cache.MARKER if what == "marker" else what)
+    path.chmod(stat.S_IMODE(path.stat().st_mode) | mode)
+    builder = Builder()
+    with pytest.raises(ValueError, match=rf"{path.name}: writable by other users \(mode \d+\), so its content "
+                                         rf"cannot be trusted"):
+        ensure(builder)
+    assert builder.calls == 0
+    path.chmod(stat.S_IMODE(path.stat().st_mode) & ~mode)
+    assert ensure(builder) == folder and builder.calls == 0  # the owner's own folder, used as it is
+
+
+def test_links_and_folders_a_builder_leaves_are_published_without_harm(root, tmp_path):
+    outside = tmp_path / "secret"
+    outside.write_text("s")
+    outside.chmod(0o600)
+
+    def extra(staging):
+        (staging / "source.gguf").symlink_to(outside)
+        (staging / "sub").mkdir()
+        (staging / "sub" / "f").write_text("x")
+
+    folder = ensure(Builder(extra=extra))
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o600
+    assert stat.S_IMODE((folder / "sub").stat().st_mode) == 0o755
+    assert (folder / "sub" / "f").read_text() == "x"
+
+
+def test_lock_files_opened_read_only_without_creating_an_existing_one(root, monkeypatch):
+    folder = ensure(Builder())
+    with cache.in_use(folder):  # creates the folder's lock
+        pass
+    opened = []
+    real = cache.open_regular
+
+    def spy(path, flags=os.O_RDONLY, follow_links=True):
+        opened.append((os.path.basename(path), flags))
+        return real(path, flags, follow_links)
+
+    monkeypatch.setattr(cache, "open_regular", spy)
+    with cache.in_use(folder), cache.in_use(folder):  # readers share it
+        pass
+    ensure(Builder(), key={"format": 2})  # takes the existing build lock
+    locks = [(name, flags) for name, flags in opened if name.endswith(".lock")]
+    assert {name for name, _ in locks} == {f".{folder.name}.lock", ".build.lock"}
+    assert all(flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_CREAT for _, flags in locks)
+
+
+def test_new_lock_files_lockable_by_every_user_whatever_the_umask(root):
+    previous = os.umask(0o077)
+    try:
+        folder = ensure(Builder())
+        with cache.in_use(folder):
+            pass
+    finally:
+        os.umask(previous)
+    for name in (".build.lock", f".{folder.name}.lock"):
+        assert stat.S_IMODE((root / name).stat().st_mode) == 0o644

@@ -1,19 +1,18 @@
 """W8A8 checkpoints: save_compressed / load_quantized round trips on tiny dense and MoE models, interop with the
 compressed-tensors library and transformers in both directions, sglang's w8a8_int8 layout, refusal of schemes the
 kernels cannot run exactly, and validation of malformed (untrusted) checkpoint files."""
-import contextlib
 import copy
 import json
 import os
 import re
 import shutil
-import signal
 import time
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import alarm
 import w8a8_cpu
 from w8a8_cpu.nn import W8A8Experts, W8A8Linear, quantize_model
 from w8a8_cpu import unpack_weight
@@ -687,19 +686,9 @@ def test_malformed_int8_embedding_flag_refused(entry, tmp_path):
 
 # ---- files that are not what they claim (reliability round 2) ---------------------------------------------------
 
-@contextlib.contextmanager
 def deadline(seconds=20):
     """A regression that blocks (a FIFO opened for reading) fails the test instead of hanging the suite."""
-    def expired(*_):
-        raise TimeoutError("blocked")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    return alarm(seconds, "blocked")
 
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", INDEX_FILE])
@@ -1038,3 +1027,22 @@ def test_compressed_tensors_written_int4_checkpoint_loads(symmetric, tmp_path):
             assert torch.equal(got_min, -scale * zero)
     got, want = logits(loaded), logits(model)
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_experts_whose_forward_clamps_are_refused_at_load(scheme, tmp_path, monkeypatch):
+    """A checkpoint whose experts class computes more than silu(gate) * up (DeepSeek-V4's swiglu_limit clamps gate
+    and up) was loaded into the fused experts, which drop the clamp: outputs silently off. Stood in for here by
+    Mixtral's experts with a clamp patched into their forward."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    save_compressed(quantize_model(float_model("mixtral"), skip=SKIP, scheme=scheme), tmp_path)
+    plain = modeling_mixtral.MixtralExperts.forward
+
+    def clamped(self, hidden_states, top_k_index, top_k_weights):
+        return plain(self, hidden_states.clamp(-10, 10), top_k_index, top_k_weights)
+
+    monkeypatch.setattr(modeling_mixtral.MixtralExperts, "forward", clamped)
+    with pytest.raises(ValueError, match=r"^model: model\.layers\.0\.mlp\.experts: experts: MixtralExperts "
+                                         r"computes more than silu\(gate\) \* up"):
+        load_quantized(tmp_path)

@@ -314,3 +314,15 @@ def test_load_state_dict_refuses_non_finite_weight_side_values(name):
     with pytest.raises(ValueError, match=rf"^{name}: contains NaN or Inf"):
         layer.load_state_dict(state)
     assert torch.equal(layer.w_scale, before)
+
+
+@pytest.mark.parametrize("model_class", ["LlamaModel", "LlamaForSequenceClassification"])
+def test_decoder_refuses_a_llama_that_is_not_a_causal_lm(model_class):
+    """A Llama base model (no lm_head) or a classifier (no model.model): Decoder names what it needs, as a ValueError
+    (it raised AttributeError)."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    config = tiny_llama().config
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=rf"model\.model\.layers and model\.lm_head .*got {model_class}"):
+        Decoder(getattr(transformers, model_class)(config).eval())

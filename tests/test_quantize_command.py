@@ -112,9 +112,10 @@ def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):
     (["{tmp}", "{tmp}/out"], "no config.json"),
     (["{src}", "{tmp}/out", "--smoothquant", "1.5"], "expected an alpha in [0, 1]"),
     (["{src}", "{tmp}/out", "--max-shard-size", "lots"], "expected a size such as 2GB"),
-    (["{src}", "{tmp}/out", "--group-size", "48"], "--group-size 48"),
-    (["{src}", "{tmp}/out", "--group-size", "131072"], "--group-size 131072: expected 0 (per channel) or a power of two "
-                                                       "in [32, 65536]"),
+    (["{src}", "{tmp}/out", "--scheme", "w4a8", "--group-size", "48"], "--group-size 48"),
+    (["{src}", "{tmp}/out", "--scheme", "w4a8", "--group-size", "131072"],
+     "--group-size 131072: expected 0 (per channel) or a power of two in [32, 65536]"),
+    (["{src}", "{tmp}/out", "--group-size", "64"], "--group-size 64: applies to --scheme w4a8"),
     (["{src}", "{tmp}/out", "--scheme", "w4a8", "--activations", "static"], "static activations need --scheme w8a8"),
     (["{src}", "{tmp}/out", "--rounding", "rtn"], "--rounding rtn: applies to --scheme w4a8"),
     (["{src}", "/nonexistent-w8a8-dir/out"], "does not exist"),

@@ -23,8 +23,11 @@ from typing import Dict, List, Optional
 import torch
 
 from .._packed_weight import INT4_GROUPS, is_int4_group
+from ..nn import GROUP_SIZE
 from .options import output_folder_parent, positive_int
 from .timing import Progress
+
+DEFAULT_SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1].replace("\n", " ")
 CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "llm" / "data" / "calibration.txt"
@@ -66,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheme", choices=("w8a8", "w4a8"), default="w8a8",
                         help="w8a8 (default) or w4a8: int4 weights per --group-size, symmetric (the form "
                              "compressed-tensors stores)")
-    parser.add_argument("--group-size", type=int, default=32, help="W4A8 group size along K (default 32; 0: per "
+    parser.add_argument("--group-size", type=int, default=None, help="W4A8 group size along K (default 32; 0: per "
                         "channel)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default="dynamic",
                         help="int8 activations: dynamic per token (default), or static per tensor from the "
@@ -84,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out-tokens", type=positive_int, default=512,
                         help="tokens after the calibration tokens kept for the report and the alpha search "
                              "(default 512)")
-    parser.add_argument("--skip", nargs="+", default=["lm_head"], metavar="PATTERN",
-                        help="module-name globs kept float (default: lm_head)")
+    parser.add_argument("--skip", nargs="+", default=DEFAULT_SKIP, metavar="PATTERN",
+                        help=f"module-name globs kept float (default: {' '.join(DEFAULT_SKIP)}: the output layer and "
+                             f"MoE routers, as W8A8 checkpoints keep them; servers build the routers float)")
     parser.add_argument("--max-shard-size", type=parse_size, default=None, metavar="SIZE",
                         help="split the weights into files of at most SIZE (e.g. 2GB)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -98,6 +102,11 @@ def check_arguments(args, parser) -> None:
         parser.error(f"MODEL_DIR {model_dir}: no config.json (expected a transformers checkpoint directory)")
     if not args.calibration.is_file():
         parser.error(f"--calibration {args.calibration}: not a file")
+    if args.group_size is not None and args.scheme != "w4a8":
+        parser.error(f"--group-size {args.group_size}: applies to --scheme w4a8 (int8 weights have one scale per "
+                     f"channel)")
+    if args.group_size is None:
+        args.group_size = GROUP_SIZE
     if not is_int4_group(args.group_size):
         parser.error(f"--group-size {args.group_size}: expected {INT4_GROUPS}")
     if args.activations != "dynamic" and args.scheme != "w8a8":
@@ -145,7 +154,8 @@ def _run(args, parser) -> int:
 
     transformers_logging.disable_progress_bar()  # this command's own progress bar reports the steps
 
-    from w8a8_cpu.llm.checkpoint import save_compressed
+    from w8a8_cpu._files import write_file
+    from w8a8_cpu.llm.checkpoint import README_FILE, save_compressed
     from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
     from w8a8_cpu.llm.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import quantize_model
@@ -225,8 +235,7 @@ def _run(args, parser) -> int:
               "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
               "kl": scores["quantized"]["kl"], "top1": scores["quantized"]["top1_agreement"],
               "kept_float": _float_layers(model), "seconds": time.perf_counter() - t0}
-    (out / "README.md").write_text(readme(report))
-    (out / "README.md").chmod(0o644)
+    write_file(out / README_FILE, readme(report).encode())  # as save_compressed writes: never through a link
     progress.step("done")
     print(summary(report))
     return 0

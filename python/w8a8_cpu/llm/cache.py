@@ -16,6 +16,10 @@ once. So:
 - Folders of other keys not used (read or built) for STALE_DAYS are swept under the build lock, unless in use.
 - Every file of the cache is opened without following links and without blocking, must be a regular file, and the
   marker's size is bounded: a FIFO, a /dev/zero link or a symlinked lock neither hangs nor truncates anything.
+- A cache root may be writable by other users (W8A8_CPU_CACHE=/tmp/shared): a folder's name and marker follow from
+  its key, so another user could plant one. A folder (its marker and listed files too) is used only when owned by
+  this user or root and not writable by group or others; otherwise ValueError naming it. Lock files are opened
+  read-only (flock needs no more), so a user can lock the lock files another user created.
 
 The cache root is $W8A8_CPU_CACHE, else $XDG_CACHE_HOME/w8a8_cpu, else ~/.cache/w8a8_cpu. The test suite sets its own
 (tests/conftest.py), so a user's cache and the tests never see each other."""
@@ -70,9 +74,20 @@ def _digest(path: str, size: int, mtime_ns: int, inode: int) -> str:
     return h.hexdigest()
 
 
+def _open_lock(path: Path) -> int:
+    """A read-only descriptor of the lock file at path, created (0644) if missing. Without O_CREAT when it exists:
+    Linux's protected_regular refuses O_CREAT on another user's file in a sticky folder (a shared root in /tmp)."""
+    created = not os.path.lexists(path)
+    fd = open_regular(path, os.O_RDONLY | (os.O_CREAT if created else 0), follow_links=False)
+    if created:
+        with contextlib.suppress(OSError):  # another user created it first: theirs, as it is
+            os.fchmod(fd, 0o644)  # lockable by every user of a shared cache, whatever the umask
+    return fd
+
+
 @contextlib.contextmanager
 def _locked(path: Path, mode: int, waiting: Optional[Callable[[], None]] = None) -> Iterator[None]:
-    fd = open_regular(path, os.O_RDWR | os.O_CREAT, follow_links=False)
+    fd = _open_lock(path)
     try:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -97,6 +112,18 @@ def _checked_root(where: Path) -> Path:
     return where
 
 
+def _check_trusted(path: Path, info: os.stat_result) -> None:
+    """ValueError naming path unless it is owned by this user or root and not writable by group or others: only
+    those can have written what this process is about to load."""
+    if info.st_uid not in (os.getuid(), 0):
+        problem = f"owned by uid {info.st_uid}, neither this user nor root"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return
+    raise ValueError(f"{path}: {problem}, so its content cannot be trusted; delete it")
+
+
 def read_marker(folder: Path) -> Optional[dict]:
     """The folder's completeness marker, or None when it is missing, a link, not a regular file, too large or not a
     JSON object."""
@@ -108,9 +135,19 @@ def read_marker(folder: Path) -> Optional[dict]:
 
 def is_complete(folder: Path, key: dict, required: Iterable[str]) -> bool:
     """Whether folder is a published cache folder of `key`: a real directory, its marker equal to the key, every
-    file the marker lists a regular file of the listed size, and every `required` file among them."""
-    if folder.is_symlink() or not folder.is_dir():
+    file the marker lists a regular file of the listed size, and every `required` file among them. The folder, its
+    marker and every listed file must be trusted (_check_trusted), else ValueError naming the first that is not."""
+    try:
+        info = os.lstat(folder)
+    except OSError:
         return False
+    if not stat.S_ISDIR(info.st_mode):
+        return False
+    _check_trusted(folder, info)  # before the marker: a planted folder is named even without one
+    with contextlib.suppress(OSError):
+        info = os.lstat(folder / MARKER)
+        if stat.S_ISREG(info.st_mode):  # a link or FIFO is not read: the folder is incomplete, rebuilt
+            _check_trusted(folder / MARKER, info)
     marker = read_marker(folder)
     if marker is None or marker.get("key") != key or not isinstance(marker.get("files"), dict):
         return False
@@ -126,6 +163,7 @@ def is_complete(folder: Path, key: dict, required: Iterable[str]) -> bool:
             return False
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             return False
+        _check_trusted(folder / name, info)
     return True
 
 
@@ -165,8 +203,9 @@ def ensure(prefix: str, key: dict, required: Iterable[str], build: Callable[[Pat
             files = {p.name: p.lstat().st_size for p in sorted(staging.iterdir())
                      if p.is_file() and not p.is_symlink()}
             (staging / MARKER).write_text(json.dumps({"key": key, "files": files}, sort_keys=True))
-            for p in staging.iterdir():  # files readable by every user of a shared cache (mkdtemp made it 0700)
-                p.chmod(0o644)
+            for p in staging.iterdir():  # readable by every user of a shared cache (mkdtemp made it 0700)
+                if not p.is_symlink():  # a link's target is not the cache's to change
+                    p.chmod(0o755 if p.is_dir() else 0o644)
             staging.chmod(0o755)
             staging.rename(target)
         finally:
@@ -196,9 +235,8 @@ def _sweep(base: Path, keep: Path) -> None:
             continue
         if read_marker(entry) is None or now - entry.stat().st_mtime < STALE_DAYS * 86400:
             continue  # not a cache folder of ours (no marker), or used recently
-        lock = base / f".{entry.name}.lock"
         try:
-            fd = open_regular(lock, os.O_RDWR | os.O_CREAT, follow_links=False)
+            fd = _open_lock(base / f".{entry.name}.lock")
         except ValueError:
             continue
         try:
@@ -206,5 +244,7 @@ def _sweep(base: Path, keep: Path) -> None:
             _remove(entry)
         except BlockingIOError:
             pass  # a reader is loading from it
+        except PermissionError:
+            pass  # another user's folder in a shared root (sticky): not ours to remove
         finally:
             os.close(fd)

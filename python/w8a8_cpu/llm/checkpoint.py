@@ -24,24 +24,26 @@ try:  # the regex parser, to refuse patterns that backtrack exponentially
 except ImportError:  # Python < 3.11
     import sre_parse as _re_parser
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .._files import read_json_object
+from .._files import open_regular, publish, read_json_object, staging_folder, writing
 from .._functions import check_static_activation_params
 from .._packed_weight import is_int4_group
 from ..nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
                   W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
-                  fuse_projections, is_silu, quantize_model, _replace_module)
+                  fuse_projections, quantize_model, _replace_module, _require_plain_silu_experts)
 
 PathLike = Union[str, Path]
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_FILE = "generation_config.json"
+README_FILE = "README.md"  # written by the quantize command beside the checkpoint
 # config.json key of what only this package reads back: {"int8_embedding": true} when the token embedding (and an
 # lm_head tied to it) was held as one int8 table; the checkpoint stores that table as floats, so other readers load it
 # as a float embedding and ignore the key
@@ -319,12 +321,17 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
             continue
         written_per_layer.add(name)
 
-    seen = set()  # a tied parameter (lm_head.weight = embed_tokens.weight) is one object: written once
+    # the ties the config declares (lm_head.weight = embed_tokens.weight) are not written: readers tie them again. A
+    # tensor shared under other names (tied by hand, the config saying untied) is written under each, as readers
+    # build those apart; a copy, since safetensors refuses two names of one storage.
+    tied = set(_tied_weights(model))
+    seen = set()
     for key, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) in seen or key.rpartition(".")[0] in written_per_layer:
+        if key in tied or key.rpartition(".")[0] in written_per_layer:
             continue
+        tensors[naming.checkpoint_name(key)] = tensor.detach().clone() if id(tensor) in seen else \
+            tensor.detach().contiguous()
         seen.add(id(tensor))
-        tensors[naming.checkpoint_name(key)] = tensor.detach().contiguous()
     return tensors, float_layers, int4_layers, activation_layers
 
 
@@ -342,37 +349,53 @@ def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) ->
     return shards
 
 
+def _owner(model: torch.nn.Module, parameter: str) -> Optional[torch.nn.Module]:
+    """The module holding the parameter named `parameter`, None when the model has no such module."""
+    try:
+        return model.get_submodule(parameter.rpartition(".")[0])
+    except AttributeError:
+        return None
+
+
+def _is_int8_table(model: torch.nn.Module, source: str) -> bool:
+    """Whether the tied-to `source` weight is the table of a W8A8Embedding (quantize_embedding=True)."""
+    return isinstance(_owner(model, source), W8A8Embedding)
+
+
 def _reads_int8_table(model: torch.nn.Module, target: str, source: str) -> bool:
     """Whether the tied `target` weight is a W8A8Linear reading the int8 table of the W8A8Embedding at `source` (the
     tie of quantize_model(quantize_embedding=True): one table for both)."""
-    try:
-        layer, table = (model.get_submodule(name.rpartition(".")[0]) for name in (target, source))
-    except AttributeError:
-        return False
-    return isinstance(layer, W8A8Linear) and isinstance(table, W8A8Embedding) and \
-        layer.weight_packed is table.weight_packed
+    layer = _owner(model, target)
+    return isinstance(layer, W8A8Linear) and _is_int8_table(model, source) and \
+        layer.weight_packed is _owner(model, source).weight_packed
 
 
 # Tokenizer files a transformers checkpoint directory may hold (copied by save_compressed from a source directory).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
+# the folder where a transformers tokenizer saves its chat templates beyond the default one (transformers'
+# CHAT_TEMPLATE_DIR): the writer's own, replaced whole
+TOKENIZER_FOLDER = "additional_chat_templates"
 
 
 def _save_tokenizer(tokenizer, directory: Path) -> None:
     """tokenizer: an object with save_pretrained (a transformers tokenizer), or a directory whose tokenizer files
-    (TOKENIZER_FILES, regular files only) are copied."""
+    (TOKENIZER_FILES) are copied: each a regular file or a link to one (a Hugging Face snapshot links every file into
+    its blobs); any other kind of entry raises ValueError naming it."""
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(directory)
         return
     source = Path(tokenizer)
     if not source.is_dir():
         raise ValueError(f"tokenizer: expected a tokenizer or a directory holding its files, got {_echo(str(tokenizer))}")
-    copied = [name for name in TOKENIZER_FILES if (source / name).is_file() and not (source / name).is_symlink()]
-    if not copied:
+    present = [name for name in TOKENIZER_FILES if os.path.lexists(source / name)]
+    if not present:
         raise ValueError(f"tokenizer: {source} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    for name in copied:
-        shutil.copyfile(source / name, directory / name)  # streamed: no whole file of the source in memory
+    for name in present:
+        with os.fdopen(open_regular(source / name), "rb") as src, writing(directory / name), \
+                open(directory / name, "xb") as dst:
+            shutil.copyfileobj(src, dst)  # streamed: no whole file of the source in memory
 
 
 def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes: Optional[int] = None,
@@ -395,7 +418,12 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     written as model.safetensors). generation_config.json is written when the model has one; tokenizer (a
     transformers tokenizer, or the source checkpoint directory whose tokenizer files are copied) is saved beside it,
     so that servers (vLLM) load the directory as it is. Every file written is readable by other users (0644: a
-    server often runs as another user). Weight files of an earlier checkpoint in `directory` are removed first."""
+    server often runs as another user). Every file is written whole into a staging folder and put in place by one
+    rename, which replaces a link at its name instead of writing through it (a copied Hugging Face snapshot links its
+    files into the source model's blobs) and never opens a FIFO; a directory at one of those names raises
+    ValueError naming it. Before the files are put in place, every file of an earlier checkpoint that this writer may
+    produce (config, weights, index, generation config, tokenizer files, README.md) is removed from `directory`, so
+    that none of it ships with this one."""
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0):
         raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes!r}")
     config = getattr(model, "config", None)
@@ -412,18 +440,18 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             tied = model.get_parameter(target) is model.get_parameter(source)
         except AttributeError:  # e.g. lm_head replaced by a W8A8Linear, which has no weight parameter
             tied = _reads_int8_table(model, target, source)
+        if not tied and _is_int8_table(model, source):
+            raise ValueError(f"model: its config ties {target} to {source}, an int8 embedding table "
+                             f"(quantize_embedding=True), but {target} is held apart from it (e.g. kept float by "
+                             f"`skip`), which a checkpoint cannot express: quantize with quantize_embedding=True "
+                             f"without skipping {target.rpartition('.')[0]} (it then reads the int8 table), or "
+                             f"with quantize_embedding=False")
         if not tied:
             raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
                              f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
                              f"config.tie_word_embeddings = False")
     tensors, float_layers, int4_layers, activation_layers = _checkpoint_tensors(model, _Naming(config))
     has_int8 = any(t.dtype == torch.int8 for t in tensors.values())  # int8 weights (int4 ones are packed in int32)
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.iterdir():  # a leftover shard or index of another checkpoint would be read with ours
-        if stale.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_PATTERN.fullmatch(stale.name):
-            stale.unlink()
 
     config_dict = config.to_dict()
     config_dict["architectures"] = [type(model).__name__]
@@ -433,32 +461,56 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     config_dict.pop(OWN_CONFIG_KEY, None)
     if any(isinstance(m, W8A8Embedding) for m in model.modules()):
         config_dict[OWN_CONFIG_KEY] = {"int8_embedding": True}
-    (directory / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(directory)
 
-    if tokenizer is not None:
-        _save_tokenizer(tokenizer, directory)
-    written = [CONFIG_FILE, "generation_config.json", *TOKENIZER_FILES]
-    shards = _shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata={"format": "pt"})
-        written.append(SINGLE_FILE)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / file_name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file_name))
-            written.append(file_name)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append(INDEX_FILE)
-    for name in written:  # safetensors writes its files 0600
-        path = directory / name
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o644)
+    directory = Path(directory)
+    with writing(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+    with staging_folder(directory) as stage:
+        with writing(directory / CONFIG_FILE):
+            (stage / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+        if getattr(model, "generation_config", None) is not None:
+            with writing(directory / GENERATION_FILE):
+                model.generation_config.save_pretrained(stage)
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, stage)
+        shards = _shards(tensors, max_shard_bytes)
+        names = [SINGLE_FILE] if len(shards) == 1 else \
+            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        for file_name, shard in zip(names, shards):
+            try:
+                save_file(shard, str(stage / file_name), metadata={"format": "pt"})
+            except (OSError, SafetensorError) as e:  # safetensors reports I/O errors as SafetensorError
+                raise ValueError(f"{directory / file_name}: cannot be written ({e})") from None
+        if len(shards) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map = {key: file_name for file_name, shard in zip(names, shards) for key in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            with writing(directory / INDEX_FILE):
+                (stage / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _remove_earlier_checkpoint(directory)
+        for staged in sorted(stage.iterdir()):
+            publish(staged, directory / staged.name)
+
+
+def _remove_earlier_checkpoint(directory: Path) -> None:
+    """Remove every entry of `directory` named as a file save_compressed (or the quantize command) may write: a
+    leftover shard, index, tokenizer file or README of another checkpoint would be read with ours. A directory at such
+    a name raises ValueError naming it, before anything is removed; TOKENIZER_FOLDER is the tokenizer's, removed
+    whole."""
+    names = {CONFIG_FILE, GENERATION_FILE, README_FILE, SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILES}
+    stale = [entry for entry in directory.iterdir()
+             if entry.name in names or entry.name == TOKENIZER_FOLDER or _SHARD_PATTERN.fullmatch(entry.name)]
+    folders = [entry for entry in stale if entry.is_dir() and not entry.is_symlink()]
+    for entry in folders:
+        if entry.name != TOKENIZER_FOLDER:
+            raise ValueError(f"{entry}: is a directory where the checkpoint writes a file; delete it or write the "
+                             f"checkpoint elsewhere")
+    for entry in stale:
+        with writing(entry):
+            if entry in folders:
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()  # a link itself, never what it points to
 
 
 # ---- quantization schemes (read) -------------------------------------------------------------------------------
@@ -836,12 +888,19 @@ class _StoredTensors:
                                  f"({_echo(str(e))})") from None
         if not weight_map:
             weight_map = dict.fromkeys(self._files[SINGLE_FILE].keys(), SINGLE_FILE)
+        listed: Dict[str, set] = {file_name: set() for file_name in self._files}
+        for key, file_name in weight_map.items():
+            listed[file_name].add(key)
         for file_name, handle in self._files.items():
-            listed = {k for k, f in weight_map.items() if f == file_name}
-            absent = listed - set(handle.keys())
+            held = set(handle.keys())
+            absent = listed[file_name] - held
             if absent:
                 raise ValueError(f"{directory / INDEX_FILE}: lists tensors that {file_name} does not hold: "
                                  f"{_listing(list(absent))}")
+            unlisted = held - listed[file_name]
+            if unlisted:  # readers that take every tensor of every shard (transformers) would load them
+                raise ValueError(f"{directory / file_name}: holds tensors that {INDEX_FILE} does not map to it: "
+                                 f"{_listing(list(unlisted))}")
         self._file_of = weight_map
         self.unused = set(weight_map)
 
@@ -869,8 +928,8 @@ class _StoredTensors:
             raise ValueError(f"{self.directory}: tensor {_echo(key)} ({what}) is missing from the checkpoint")
         stored = self._files[self._file_of[key]].get_slice(key)
         if stored.get_dtype() not in dtypes or list(stored.get_shape()) not in [list(s) for s in shapes]:
-            raise ValueError(f"{self._where(key)} is {stored.get_dtype()} {list(stored.get_shape())}; expected "
-                             f"{what}: {' or '.join(dtypes)} {' or '.join(str(list(s)) for s in shapes)}")
+            raise ValueError(f"{self._where(key)} is {stored.get_dtype()} {_echo(list(stored.get_shape()))}; "
+                             f"expected {what}: {' or '.join(dtypes)} {' or '.join(str(list(s)) for s in shapes)}")
         self.unused.discard(key)
         if index is None:
             return self._files[self._file_of[key]].get_tensor(key)
@@ -917,6 +976,16 @@ class _StoredTensors:
 
 
 # ---- load ------------------------------------------------------------------------------------------------------
+
+
+def _require_fusable(name: str, module: torch.nn.Module, gate_up_q: torch.Tensor, down_q: torch.Tensor) -> None:
+    """The checkpoint's experts module must compute what the fused experts do (nn._require_plain_silu_experts: a
+    clamp such as DeepSeek-V4's swiglu_limit would be dropped, silently), probed with one expert's stored integer
+    weights: the forward's form is tested, not the values."""
+    try:
+        _require_plain_silu_experts(module, gate_up_q, down_q)
+    except ValueError as e:
+        raise ValueError(f"model: {name}: {e}") from None
 
 class _Loader:
     """Fills a model built on the meta device from the checkpoint, layer by layer. A layer given a shard (a
@@ -1063,9 +1132,7 @@ class _Loader:
             module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
             module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
             return
-        if not is_silu(module.act_fn):
-            raise ValueError(f"model: {name} uses activation {type(module.act_fn).__name__}; the fused W8A8 experts "
-                             f"implement SiLU-gated experts only")
+        _require_fusable(name, module, w13[0], w2[0])
         w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])
         w2_scale = torch.stack([down[1] for _, _, down in loaded])
         local = W8A8Experts(w13, w13_scale, w2, w2_scale)
@@ -1080,9 +1147,6 @@ class _Loader:
         if shard is not None:
             raise ValueError(f"{where} hold int4 weights; a sharded load splits them, which w8a8_cpu.distributed "
                              f"does for W8A8 experts only")
-        if not is_silu(module.act_fn):
-            raise ValueError(f"model: {name} uses activation {type(module.act_fn).__name__}; the fused W8A8 experts "
-                             f"implement SiLU-gated experts only")
         args = strategies[0]
         experts, inter2, hidden = _expert_weights(module)[0].shape
         shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
@@ -1096,6 +1160,7 @@ class _Loader:
 
         w13 = [stacked((0, 1), value) for value in range(3)]
         w2 = [stacked((2,), value) for value in range(3)]
+        _require_fusable(name, module, w13[0][0], w2[0][0])
         _replace_module(self.model, name, W4A8Experts(*w13, *w2, args.group_size))
 
     def remaining(self, tied: Sequence[str]) -> None:

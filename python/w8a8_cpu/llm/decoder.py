@@ -85,7 +85,12 @@ class Decoder:
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError(f"model: sliding-window attention (sliding_window={config.sliding_window}) is not "
                              f"supported by Decoder; use model.generate")
-        inner = model.model
+        inner = getattr(model, "model", None)
+        if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) or \
+                not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
+            raise ValueError(f"model: Decoder runs a causal LM with model.model.layers and model.lm_head "
+                             f"({model_type.capitalize()}ForCausalLM), got {type(model).__name__}; load the model with "
+                             f"AutoModelForCausalLM")
         self.config = config
         self.embed = inner.embed_tokens
         self.layers = [_Layer(layer, i, config) for i, layer in enumerate(inner.layers)]

@@ -1,6 +1,7 @@
 """Module-level API: W8A8Linear and quantize_model."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import warnings
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
@@ -9,13 +10,17 @@ import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
 from . import _calibration
-from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_panels, check_static_activation_params,
-                          fused_experts, int4_weight_values, int8_scaled_mm_with_activations, int8_scaled_mm_with_quant,
-                          pack_experts_int4, pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight,
-                          quantize_weight_int4, unpack_weight, weight_channel_sums, weight_scheme)
+from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_blob, _verified_panels,
+                          check_static_activation_params, fused_experts, int4_weight_values,
+                          int8_scaled_mm_with_activations, int8_scaled_mm_with_quant, pack_experts_int4,
+                          pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
+                          unpack_weight, weight_channel_sums, weight_scheme)
 from .._loader import ops as _ops
+from .._packed_weight import INT4_GROUPS, header_format, header_sizes, is_int4_group
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
+
+GROUP_SIZE = 32  # the int4 group size along K that quantize_model and the W4A8 constructors default to
 
 
 class _Fp32Scales(torch.nn.Module):
@@ -106,6 +111,9 @@ class W8A8Linear(_Fp32Scales):
         self._fp32_buffers = ("w_scale",) if input_scale is None else ("w_scale", "input_scale")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        blob = state_dict.get(prefix + "weight_packed")
+        if isinstance(blob, torch.Tensor):  # (a missing one is load_state_dict's to report)
+            self._check_blob(blob, prefix + "weight_packed")
         if self.input_scale is not None:  # a static scale loaded into a built layer: checked as at construction
             check_static_activation_params(state_dict.get(prefix + "input_scale", self.input_scale),
                                            state_dict.get(prefix + "input_zero_point", self.input_zero_point),
@@ -113,6 +121,21 @@ class W8A8Linear(_Fp32Scales):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.w_sum is not None:  # derived from the weight, which may just have been replaced
             self.w_sum = weight_channel_sums(self.weight_packed)
+
+    def _check_blob(self, blob: torch.Tensor, name: str) -> None:
+        """A blob loaded into this layer must hold what its own does: the same N, K, scheme (int8; int4, with or
+        without minimums) and int4 group size. load_state_dict checks only the byte count, which blobs of other
+        shapes can share ([32, 132] and [64, 64] int8; int4 g0 [64, 128] and int8 [64, 64]): such a blob loaded,
+        and failed only at forward, or for another group size ran as the donor layer under this one's group_size."""
+        try:
+            raw = _verified_blob(blob, "blob", "pack_weight or pack_weight_int4")
+        except ValueError as error:  # the ops' message names "blob", not which of the model's
+            raise ValueError(f"{name}: {error}") from error
+        mine, theirs = (header_sizes(b)[2:4] + header_format(b)
+                        for b in (self.weight_packed.detach().contiguous(), raw))
+        if theirs != mine:
+            raise ValueError(f"{name}: holds {_blob_description(*theirs)}; this {type(self).__name__} holds "
+                             f"{_blob_description(*mine)} (load the layer's own blob, or build the layer from it)")
 
     @property
     def activation_scheme(self) -> str:
@@ -203,12 +226,13 @@ class W4A8Linear(W8A8Linear):
                              "them); static or asymmetric activations need int8 weights (W8A8Linear)")
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group_size: int = 32, symmetric: bool = True,
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int = GROUP_SIZE, symmetric: bool = True,
                     min_max: bool = False) -> "W4A8Linear":
         """Round-to-nearest int4 of the float weight per group (quantize_weight_int4; quantize_model with calibration
         rounds with GPTQ)."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
+        _check_int4_rounding(group_size, symmetric, min_max)
         q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
         return cls(q, scale, minimum, group_size, linear.bias)
 
@@ -223,6 +247,14 @@ class W4A8Linear(W8A8Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"int4 groups of {self.group_size or self.in_features}")
+
+
+def _blob_description(n: int, k: int, scheme: int, group: int) -> str:
+    """A packed weight's header values (header_sizes' n, k and header_format's scheme, group) in words."""
+    if scheme == 0:
+        return f"an int8 [{n}, {k}] weight"
+    return (f"an int4 [{n}, {k}] weight {f'in groups of {group}' if group else 'per channel'}, "
+            f"{'with group minimums' if scheme == 2 else 'symmetric'}")
 
 
 def _rows_of(weight_packed: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], begin: int,
@@ -571,16 +603,33 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 
 
 def _silu_expert_weights(experts: torch.nn.Module):
-    """(gate_up_proj, down_proj) of a transformers fused-experts module that the fused experts can run (SiLU-gated),
-    else ValueError."""
+    """(gate_up_proj, down_proj) of a transformers fused-experts module that the fused experts can run (SiLU-gated,
+    nothing more), else ValueError."""
     weights = _expert_weights(experts)
     if weights is None:
         raise ValueError(f"experts: {type(experts).__name__} has no 3-D gate_up_proj / down_proj parameters")
+    gate_up, down = weights
+    e, inter2, hidden = gate_up.shape
+    # the probe runs [E, 2I, H] / [E, H, I] experts; another layout (Llama4's transposed [E, H, 2I]) is refused by
+    # _take_shapes, with the shapes in the message
+    if inter2 % 2 == 0 and down.shape == (e, hidden, inter2 // 2):
+        _require_plain_silu_experts(experts, gate_up[0], down[0])
+    return weights
+
+
+def _require_plain_silu_experts(experts: torch.nn.Module, gate_up_e: torch.Tensor, down_e: torch.Tensor) -> None:
+    """ValueError unless the fused experts can stand in for `experts`: a SiLU act_fn (is_silu) and a forward that
+    computes down(silu(gate) * up) and nothing more (_computes_plain_silu_experts, on one expert's weights
+    gate_up_e [2I, H] and down_e [H, I] of any dtype: the module's own, or the stored integer ones when its own are on
+    the meta device, as in the checkpoint loader). The message names the module's class; callers prefix its name."""
     act = experts.act_fn
     if not is_silu(act):
         raise ValueError(f"experts: {type(experts).__name__} uses activation {type(act).__name__}; the fused "
                          f"W8A8 experts implement SiLU-gated experts only")
-    return weights
+    if not _computes_plain_silu_experts(experts, gate_up_e, down_e):
+        raise ValueError(f"experts: {type(experts).__name__} computes more than silu(gate) * up (a clamp or scale: "
+                         f"DeepSeek-V4's swiglu_limit, Step3p7's limit), which the fused W8A8 experts would drop; keep "
+                         f"it float: skip it in quantize_model (skip=[its name], or a glob such as '*.experts')")
 
 
 class W8A8Experts(_Fp32Scales):
@@ -657,9 +706,10 @@ class W4A8Experts(W8A8Experts):
                    torch.ones(w2_q.shape[:2]) if w2_scale is None else w2_scale)
 
     @classmethod
-    def from_experts(cls, experts: torch.nn.Module, group_size: int = 32, symmetric: bool = True,
+    def from_experts(cls, experts: torch.nn.Module, group_size: int = GROUP_SIZE, symmetric: bool = True,
                      min_max: bool = False) -> "W4A8Experts":
         """Round-to-nearest int4 of the float experts per group (quantize_weight_int4's rules)."""
+        _check_int4_rounding(group_size, symmetric, min_max)
         gate_up, down = _silu_expert_weights(experts)
         return cls(*W8A8MoE._quantize_experts_int4(gate_up, group_size, symmetric, min_max),
                    *W8A8MoE._quantize_experts_int4(down, group_size, symmetric, min_max), group_size)
@@ -680,6 +730,24 @@ class W4A8Experts(W8A8Experts):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int4 groups of {self.group_size or 'a whole channel'}"
+
+
+def _check_bool(name: str, value) -> None:
+    """A flag must be a bool: a string such as 'no' is truthy and was taken as True, silently."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
+def _check_int4_rounding(group_size: int, symmetric: bool, min_max: bool) -> None:
+    """The int4 rounding options, checked before any layer is rounded: min_max is a rule of asymmetric rounding
+    (quantize_weight_int4), which symmetric=True ignored, silently."""
+    if not is_int4_group(group_size):
+        raise ValueError(f"group_size: expected {INT4_GROUPS}, got {group_size!r}")
+    _check_bool("symmetric", symmetric)
+    _check_bool("min_max", min_max)
+    if min_max and symmetric:
+        raise ValueError("min_max: the min-max grid is asymmetric; pass symmetric=False with min_max=True "
+                         "(symmetric=True rounds symmetric, which would ignore it)")
 
 
 def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
@@ -717,7 +785,7 @@ SCHEMES = ("w8a8", "w4a8")
 
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
-                   fuse: bool = False, scheme: str = "w8a8", group_size: int = 32, symmetric: bool = True,
+                   fuse: bool = False, scheme: str = "w8a8", group_size: int = GROUP_SIZE, symmetric: bool = True,
                    min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
                    on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
@@ -726,21 +794,26 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     scheme="w4a8": the Linear layers become W4A8Linear and the fused-experts modules W4A8Experts instead
     (round-to-nearest int4 per group of group_size k, 0: per channel; symmetric, or asymmetric with an integer zero
     point, or min_max: quantize_weight_int4; the experts' w13 and w2 alike), except an output layer that shares its
-    table with the int8 embedding (quantize_embedding=True), which stays W8A8.
+    table with the int8 embedding (quantize_embedding=True), which stays W8A8. group_size, symmetric and min_max
+    (min_max with symmetric=False) are int4 options: under scheme="w8a8" they must keep their defaults.
 
     calibration (scheme="w4a8"): round the int4 layers with GPTQ instead of to nearest. Model inputs (token ids
-    [B, T]), an iterable of such batches, or a callable(model) that runs the model (inputs of another form); one run
-    of the float model records each int4 layer's input second moment (its Hessian), and each layer is then rounded
-    by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is called after
-    each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~40 s on 2 threads, its calibration run
-    included).
+    [B, T], checked against config.vocab_size when the model has one), an iterable of such batches, or a
+    callable(model) that runs the model (inputs of another form); a batch the model cannot run is a ValueError naming
+    it. One run of the float model records each int4 layer's input second moment (its Hessian), and each layer is
+    then rounded by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is
+    called after each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~40 s on 2 threads, its
+    calibration run included).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
-    selecting layers to keep in floating point.
+    selecting layers to keep in floating point. What quantize_model cannot run in W8A8 is refused (ValueError naming
+    the layer, before any layer is replaced) unless skipped, so that no layer is left float silently: transformers'
+    Conv1D (GPT-2), and experts that compute more than silu(gate) * up (DeepSeek-V4's clamp).
 
     quantize_embedding: also hold the input token embedding (model.get_input_embeddings(), a transformers model's)
     as an int8 table with per-row scales (W8A8Embedding). When the output layer is tied to it and not skipped, both
-    share one int8 table: the lm_head GEMM and the embedding lookup read the same tensors, one copy.
+    share one int8 table: the lm_head GEMM and the embedding lookup read the same tensors, one copy; a tied output
+    layer kept float (skipped) is refused: the int8 embedding would untie it.
 
     fuse: also fuse each attention layer's q_proj / k_proj / v_proj into one GEMM (W8A8LinearSlice) and each SwiGLU
     MLP's gate_proj / up_proj into one GEMM with SiLU-and-multiply after it (W8A8GatedMLP); see fuse_projections.
@@ -758,13 +831,31 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     if calibration is not None and scheme != "w4a8":
         raise ValueError(f"calibration: GPTQ rounding is for int4 weights (scheme='w4a8'); scheme {scheme!r} rounds "
                          f"to nearest")
+    _check_bool("quantize_embedding", quantize_embedding)
+    _check_bool("fuse", fuse)
+    if scheme == "w4a8":
+        _check_int4_rounding(group_size, symmetric, min_max)
+    else:  # the int4 options at their defaults only (the CLI passes them so for w8a8): others would be ignored
+        for option, value, default in (("group_size", group_size, GROUP_SIZE), ("symmetric", symmetric, True),
+                                       ("min_max", min_max, False)):
+            if not (type(value) is type(default) and value == default):
+                raise ValueError(f"{option}: {value!r} is an int4 rounding option (scheme='w4a8'); scheme {scheme!r} "
+                                 f"rounds int8 weights per channel, symmetric (leave it at {default!r})")
     if isinstance(skip, str):
         skip = [skip]
     embedding = _input_embedding(model) if quantize_embedding else None
     places: Dict[torch.nn.Module, List[str]] = {}  # module -> every name it is used under (modules hash by identity)
+    transposed: Dict[torch.nn.Module, List[str]] = {}  # the same for GPT-2's Conv1D layers, which are not supported
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, torch.nn.Linear) or _expert_weights(module) is not None:
             places.setdefault(module, []).append(name)
+        elif type(module).__name__ == "Conv1D":  # transformers.pytorch_utils.Conv1D: weight [in, out], no nn.Linear
+            transposed.setdefault(module, []).append(name)
+    for module, names in transposed.items():
+        if not any(_skipped(skip, name, module) for name in names):  # left float, the model "W8A8" in name only
+            raise ValueError(f"{names[0]}: {type(module).__name__} (transformers' transposed linear of GPT-2 and its "
+                             f"kin, weight [in, out]) is not supported by quantize_model; skip these layers to keep "
+                             f"them float (skip=['{names[0]}', ...] or a callable)")
     holders: Dict[int, List[str]] = {}
     for name, p in _all_named_parameters(model):
         holders.setdefault(id(p), []).append(name)
@@ -777,6 +868,11 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
         if "" in names:
             raise ValueError("model: is itself a Linear / experts module; use W8A8Linear.from_linear or "
                              "W8A8Experts.from_experts instead")
+        if not isinstance(module, torch.nn.Linear):  # refused before any layer is replaced: the model stays whole
+            try:
+                _silu_expert_weights(module)
+            except ValueError as error:
+                raise ValueError(f"{names[0]}: {error}") from error
         tied_to_embedding = embedding is not None and getattr(module, "weight", None) is embedding.weight
         for tied, other in _tied_elsewhere(holders, names, module):
             if not tied_to_embedding:
@@ -786,6 +882,8 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
         chosen[module] = names, tied_to_embedding
         if scheme == "w4a8" and not tied_to_embedding and isinstance(module, torch.nn.Linear):
             int4[module] = names[0]
+    if embedding is not None:
+        _check_table_shared(model, embedding, holders, chosen)
     # GPTQ measures on the float model, before any layer is replaced
     gptq = _calibration.gptq_int4(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
         if calibration is not None else {}
@@ -813,6 +911,22 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     if fuse:
         fuse_projections(model)
     return model
+
+
+def _check_table_shared(model: torch.nn.Module, embedding: torch.nn.Embedding, holders: Dict[int, List[str]],
+                        chosen: Dict[torch.nn.Module, Tuple[List[str], bool]]) -> None:
+    """quantize_embedding: every other holder of the embedding's float table (a tied lm_head) must be quantized with
+    it, to share the int8 table. One kept float (skipped) was untied silently: the model then held the table twice
+    (int8 and float), and its config still said tied."""
+    own = {f"{name}.weight" for name, m in model.named_modules(remove_duplicate=False) if m is embedding}
+    sharing = {f"{name}.weight" for names, tied in chosen.values() if tied for name in names}
+    kept = [name for name in holders.get(id(embedding.weight), []) if name not in own | sharing]
+    if kept:
+        layer = kept[0].rpartition(".")[0]
+        raise ValueError(f"quantize_embedding: {layer} is tied to the input embedding ({kept[0]} is its table) and is "
+                         f"kept float (skipped); an int8 embedding would untie them and hold the table twice. Quantize "
+                         f"{layer} too (drop it from skip: both share one int8 table), or pass "
+                         f"quantize_embedding=False to keep both float and tied")
 
 
 def _input_embedding(model: torch.nn.Module) -> torch.nn.Embedding:
@@ -866,15 +980,20 @@ def fuse_projections(model: torch.nn.Module) -> Dict[str, List[str]]:
     return fused
 
 
+# the probe rows' scales: large enough to reach any clamp, each with both signs (a one-sided clamp, gate.clamp(max=l),
+# is reached by one of x and -x: the projections are linear)
+_PROBE_MAGNITUDES = (1.0, -1.0, 10.0, -10.0, 100.0, -100.0, 1000.0, -1000.0)
+
+
 def _computes_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
     """Whether mlp's own forward is down(act(gate(x)) * up(x)) and nothing more, checked bit for bit on probe rows of
     growing magnitude through its own layers: some models' MLPs look the same and scale or clamp too (Falcon-H1's
     mlp_multipliers, DeepSeek-V4's swiglu_limit), and fusing those gave outputs 2x and 8x off, silently. One that
-    does not (or whose forward needs more than x) stays unfused. The probe is [1, 4, K], as transformers passes
+    does not (or whose forward needs more than x) stays unfused. The probe is [1, 8, K], as transformers passes
     hidden states; forward hooks on mlp and its layers see it."""
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    probe = torch.randn(1, 4, gate.in_features, generator=torch.Generator().manual_seed(0)) * \
-        torch.tensor([1.0, 10.0, 100.0, 1000.0]).view(1, 4, 1)
+    probe = torch.randn(1, len(_PROBE_MAGNITUDES), gate.in_features, generator=torch.Generator().manual_seed(0)) * \
+        torch.tensor(_PROBE_MAGNITUDES).view(1, -1, 1)
     try:
         with torch.no_grad():
             own = mlp(probe)
@@ -883,6 +1002,61 @@ def _computes_plain_gated_mlp(mlp: torch.nn.Module) -> bool:
         return False
     return isinstance(own, torch.Tensor) and own.shape == plain.shape and own.dtype == plain.dtype and \
         torch.equal(own, plain)
+
+
+def _computes_plain_silu_experts(experts: torch.nn.Module, gate_up_e: torch.Tensor, down_e: torch.Tensor) -> bool:
+    """Whether a fused-experts module's own forward is down(act_fn(gate) * up) per expert and nothing more, checked
+    bit for bit (fp32) on probe rows of growing magnitude, all routed to expert 0 with weight 1, against F.linear as
+    transformers' experts compute it: some look like Mixtral's and clamp too (DeepSeek-V4's swiglu_limit clamps gate
+    and up in _apply_gate), and the fused experts dropped that, silently (output error 0.78 instead of 0.02).
+
+    The forward runs through functional_call with gate_up_proj / down_proj replaced by one intermediate channel of the
+    one expert's weights gate_up_e [2I, H], down_e [H, I] (any dtype) expanded to every expert (stride 0: no memory for E copies, and parameters on
+    the meta device are never read). transformers' other experts backends (grouped_mm, batched_mm) apply the same
+    class gate and differ from its eager loop only in their GEMMs' rounding (bmm), so the probe runs the eager loop.
+    A forward that fails (other arguments, other layouts, its other parameters on meta) is not the plain form."""
+    inter = gate_up_e.shape[0] // 2
+    # one intermediate channel is enough to see a clamp or scale (they act per element): the probe's weights are
+    # [2, H] and [H, 1], not a float copy of the expert
+    gate_up = gate_up_e.detach()[[0, inter]].to(torch.float32)
+    down = down_e.detach()[:, :1].to(torch.float32)
+    try:
+        num_experts = experts.gate_up_proj.shape[0]
+        params = {"gate_up_proj": gate_up.expand(num_experts, *gate_up.shape),
+                  "down_proj": down.expand(num_experts, *down.shape)}
+        probe = torch.randn(len(_PROBE_MAGNITUDES), gate_up.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = (probe * torch.tensor(_PROBE_MAGNITUDES).view(-1, 1)).to(gate_up.device)
+        ids = torch.zeros(len(_PROBE_MAGNITUDES), 1, dtype=torch.int64, device=gate_up.device)
+        weights = torch.ones(len(_PROBE_MAGNITUDES), 1, device=gate_up.device)
+        with torch.no_grad(), _eager_experts(experts):
+            own = _functional_call(experts, params, (probe, ids, weights))
+            gate, up = torch.nn.functional.linear(probe, gate_up).chunk(2, dim=-1)
+            plain = torch.nn.functional.linear(experts.act_fn(gate) * up, down)
+    except Exception:  # see above: not the plain form
+        return False
+    return isinstance(own, torch.Tensor) and own.shape == plain.shape and own.dtype == plain.dtype and \
+        torch.equal(own, plain)
+
+
+# torch.func arrived in torch 2.0 (the older name warns there); the ppc64le CI runs torch 1.13
+_functional_call = torch.func.functional_call if hasattr(torch, "func") else torch.nn.utils.stateless.functional_call
+
+
+@contextlib.contextmanager
+def _eager_experts(experts: torch.nn.Module):
+    """transformers' experts dispatch on config._experts_implementation; within, `experts` runs the eager loop. Set
+    on the internal attribute, as transformers' set_experts_implementation does per module: the property's setter
+    would also overwrite the sub-configs' choices."""
+    config = getattr(experts, "config", None)
+    if "_experts_implementation_internal" not in getattr(config, "__dict__", {}):
+        yield
+        return
+    before = config._experts_implementation_internal
+    config._experts_implementation_internal = "eager"
+    try:
+        yield
+    finally:
+        config._experts_implementation_internal = before
 
 
 def _replace_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

@@ -24,15 +24,42 @@ def _run(model: torch.nn.Module, calibration: Calibration) -> None:
     if batches is None or isinstance(calibration, (str, bytes)):
         raise ValueError(f"calibration: expected model inputs (a tensor, e.g. token ids [B, T]), an iterable of them, "
                          f"or a callable(model) that runs the model, got {type(calibration).__name__}")
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     count = 0
     for batch in batches:
         if not isinstance(batch, torch.Tensor) or batch.numel() == 0:
             raise ValueError(f"calibration: batch {count}: expected a non-empty tensor of model inputs, got "
                              f"{type(batch).__name__} {tuple(getattr(batch, 'shape', ()))}")
-        model(batch)
+        if isinstance(vocab_size, int):  # a language model's (config.vocab_size): the batch is token ids
+            _check_token_ids(batch, count, vocab_size)
+        try:
+            model(batch)
+        except _Refused:
+            raise
+        except Exception as error:  # the model's own error (a shape it cannot take), which names no batch
+            message = str(error)  # (bounded: a model's message may quote a whole tensor)
+            raise ValueError(f"calibration: batch {count}: the model cannot run it: {type(error).__name__}: "
+                             f"{message[:500]}{'...' if len(message) > 500 else ''}") from error
         count += 1
     if count == 0:
         raise ValueError("calibration: no batches")
+
+
+def _check_token_ids(batch: torch.Tensor, index: int, vocab_size: int) -> None:
+    """Token ids are integers in [0, vocab_size): float ids or ids past the table failed deep in the embedding, as a
+    RuntimeError or IndexError that named neither the batch nor the argument."""
+    if batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool:
+        raise ValueError(f"calibration: batch {index}: expected integer token ids, got {batch.dtype} (a callable "
+                         f"calibration(model) runs inputs of other forms)")
+    low, high = int(batch.min()), int(batch.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"calibration: batch {index}: token ids must be in [0, {vocab_size}) (config.vocab_size), "
+                         f"got [{low}, {high}]")
+
+
+class _Refused(ValueError):
+    """second_moments' own refusal, raised by its hook inside the model's forward: passed on as it is, not as the
+    model's failure to run a batch."""
 
 
 def second_moments(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str],
@@ -52,7 +79,7 @@ def second_moments(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str],
         if module not in leader:
             leader[module] = previous[1] if same_input else module
         elif leader[module] is not module and not (same_input and previous[1] is leader[module]):
-            raise ValueError(f"calibration: {layers[module]} read the input of {layers[leader[module]]} in one model "
+            raise _Refused(f"calibration: {layers[module]} read the input of {layers[leader[module]]} in one model "
                              f"call but not in another (one second moment cannot serve both)")
         previous[:] = x, leader[module]
         if leader[module] is module:

@@ -92,11 +92,10 @@ def test_links_in_the_output_are_replaced_not_written_through(quantized, tmp_pat
     (out / SINGLE_FILE).symlink_to(source / SINGLE_FILE)
     save_compressed(quantized, out, tokenizer=str(source))
     assert contents(source) == before
-    assert not any(p.is_symlink() for p in out.iterdir())
-    assert not (out / "README.md").exists()  # the earlier one: not this checkpoint's
+    assert [p.name for p in out.iterdir() if p.is_symlink()] == ["README.md"]  # not written: the caller's, left
     assert (out / "tokenizer_config.json").read_bytes() == before["tokenizer_config.json"]
     assert "quantization_config" in json.loads((out / "config.json").read_text())
-    assert all((p.stat().st_mode & 0o777) == 0o644 for p in out.iterdir())
+    assert all((p.stat().st_mode & 0o777) == 0o644 for p in out.iterdir() if not p.is_symlink())
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no staging folder left
     assert torch.equal(logits(load_quantized(out)), logits(quantized))
 
@@ -108,7 +107,7 @@ def test_fifo_at_an_output_name_is_replaced_without_blocking(quantized, tmp_path
     assert torch.equal(logits(load_quantized(tmp_path)), logits(quantized))
 
 
-@pytest.mark.parametrize("name", ["config.json", SINGLE_FILE, "generation_config.json", "tokenizer.json",
+@pytest.mark.parametrize("name", ["config.json", SINGLE_FILE, "generation_config.json",
                                   "model-00002-of-00003.safetensors"])
 def test_folder_at_an_output_name_refused_naming_it_and_nothing_removed(quantized, tmp_path, name):
     save_compressed(quantized, tmp_path)
@@ -173,11 +172,25 @@ def test_resave_removes_the_earlier_checkpoints_tokenizer_files(quantized, tmp_p
             (directory / name).write_text(text)
     out = tmp_path / "out"
     save_compressed(quantized, out, tokenizer=str(first), max_shard_bytes=20_000)
-    (out / "README.md").write_text("about the first checkpoint")
+    (out / "notes.txt").write_text("the caller's")
     save_compressed(quantized, out, tokenizer=str(second))
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", "generation_config.json", SINGLE_FILE,
-                                                            "tokenizer_config.json"])
+                                                            "tokenizer_config.json", "notes.txt"])
     assert (out / "tokenizer_config.json").read_text() == '{"model": "B"}'
+
+
+def test_save_without_a_tokenizer_keeps_the_one_the_caller_saved(quantized, tmp_path):
+    """tokenizer.save_pretrained(out), then save_compressed(model, out): the first version of the stale-file removal
+    deleted the tokenizer (and a README, any chat templates), silently."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "README.md": "mine"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    (out / "additional_chat_templates").mkdir()
+    save_compressed(quantized, out)
+    assert all((out / name).read_text() == text for name, text in mine.items())
+    assert (out / "additional_chat_templates").is_dir() and (out / SINGLE_FILE).is_file()
 
 
 def test_saving_into_the_tokenizer_source_keeps_its_files(quantized, tmp_path):

@@ -573,9 +573,11 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor* delta, const at:
   float_kind(weight.scalar_type(), "weight");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == n, "weight: expected shape [", n,
                     "] (the last dimension of x), got ", weight.sizes());
-  // (an fp32 weight is read in place, by every thread, while the rows of x are written: the output depended on the
-  // thread count)
-  TORCH_CHECK_VALUE(!delta || at::get_overlap_status(x, weight) == at::MemOverlapStatus::No,
+  // A contiguous fp32 weight is read in place, by every thread, while the rows of x are written: one overlapping x
+  // gave outputs that depended on the thread count. (Any other weight is copied to fp32 first: no overlap possible;
+  // for it get_overlap_status would also answer TooHard.)
+  TORCH_CHECK_VALUE(!delta || weight.scalar_type() != at::kFloat || !weight.is_contiguous() ||
+                        at::get_overlap_status(x, weight) == at::MemOverlapStatus::No,
                     "weight: overlaps x (x is updated in place); pass a copy");
   TORCH_CHECK_VALUE(eps >= 0 && eps <= std::numeric_limits<float>::max(), "eps: expected a finite float32 value >= 0, "
                     "got ", eps);

@@ -152,7 +152,9 @@ def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool, scheme: st
     """W8A8 (or W4A8: int4 in groups of W4A8_GROUP, symmetric or min-max) linears; with int8_output_layer, the
     lm_head too, in W8A8 sharing one int8 table with the token embedding, and the q/k/v and gate/up projections fused
     (one GEMM each). gptq: quantize_model's calibration (and on_layer), for GPTQ rounding of the int4 layers."""
-    options = dict(scheme=scheme, group_size=W4A8_GROUP, symmetric=not min_max, min_max=min_max, **gptq)
+    options = dict(scheme=scheme, **gptq)
+    if scheme == "w4a8":
+        options.update(group_size=W4A8_GROUP, symmetric=not min_max, min_max=min_max)
     if int8_output_layer:
         return w8a8_cpu.nn.quantize_model(model, quantize_embedding=True, fuse=True, **options)
     return w8a8_cpu.nn.quantize_model(model, skip=KEEP_FLOAT, **options)

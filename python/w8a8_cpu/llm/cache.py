@@ -17,9 +17,11 @@ once. So:
 - Every file of the cache is opened without following links and without blocking, must be a regular file, and the
   marker's size is bounded: a FIFO, a /dev/zero link or a symlinked lock neither hangs nor truncates anything.
 - A cache root may be writable by other users (W8A8_CPU_CACHE=/tmp/shared): a folder's name and marker follow from
-  its key, so another user could plant one. A folder (its marker and listed files too) is used only when owned by
-  this user or root and not writable by group or others; otherwise ValueError naming it. Lock files are opened
-  read-only (flock needs no more), so a user can lock the lock files another user created.
+  its key, so another user could plant one. A folder is used only when owned by this user or root and not writable
+  by group or others; another's (or a root user's reading a mounted user cache) is left alone and this user builds
+  its own copy beside it (the name + "-uid<uid>"). A marker or listed file that fails the same test is a ValueError
+  naming it. Lock files are opened read-only (flock needs no more), so a user can lock the lock files another user
+  created.
 
 The cache root is $W8A8_CPU_CACHE, else $XDG_CACHE_HOME/w8a8_cpu, else ~/.cache/w8a8_cpu. The test suite sets its own
 (tests/conftest.py), so a user's cache and the tests never see each other."""
@@ -112,16 +114,37 @@ def _checked_root(where: Path) -> Path:
     return where
 
 
-def _check_trusted(path: Path, info: os.stat_result) -> None:
-    """ValueError naming path unless it is owned by this user or root and not writable by group or others: only
-    those can have written what this process is about to load."""
+def _distrust(info: os.stat_result) -> Optional[str]:
+    """Why an entry cannot be trusted (None when it can): only this user or root, and nobody else afterwards (no
+    group or other write bit), can have written what this process is about to load."""
     if info.st_uid not in (os.getuid(), 0):
-        problem = f"owned by uid {info.st_uid}, neither this user nor root"
-    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problem = f"writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
-    else:
-        return
-    raise ValueError(f"{path}: {problem}, so its content cannot be trusted; delete it")
+        return f"owned by uid {info.st_uid}, neither this user nor root"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _check_trusted(path: Path, info: os.stat_result) -> None:
+    problem = _distrust(info)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}, so its content cannot be trusted; set W8A8_CPU_CACHE to a folder only "
+                         f"you can write (a file system without Unix permissions shows every file writable by all)")
+
+
+def folder(prefix: str, key: dict) -> Path:
+    """Where ensure(prefix, key, ...) keeps its folder for this user (_own_folder)."""
+    return _own_folder(root(), folder_name(prefix, key))
+
+
+def _own_folder(base: Path, name: str) -> Path:
+    """The cache folder `name` for this process: base / name, unless the entry there is another user's (planted or
+    not) or a folder writable by others (_distrust), then this user's own base / (name + "-uid<uid>"), built beside
+    it. (This user's own link or file there is named by ensure: a link's mode bits say nothing.)"""
+    with contextlib.suppress(OSError):
+        info = os.lstat(base / name)
+        if info.st_uid not in (os.getuid(), 0) or (stat.S_ISDIR(info.st_mode) and _distrust(info) is not None):
+            return base / f"{name}-uid{os.getuid()}"
+    return base / name
 
 
 def read_marker(folder: Path) -> Optional[dict]:
@@ -182,7 +205,7 @@ def ensure(prefix: str, key: dict, required: Iterable[str], build: Callable[[Pat
     builder per root at a time; the marker written last, then one rename). A damaged folder is rebuilt once."""
     required = tuple(required)
     base = _checked_root(root())
-    target = base / folder_name(prefix, key)
+    target = _own_folder(base, folder_name(prefix, key))
     if is_complete(target, key, required):
         return target
     note = (lambda text: progress.note(text)) if progress is not None else (lambda text: None)

@@ -421,9 +421,10 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     server often runs as another user). Every file is written whole into a staging folder and put in place by one
     rename, which replaces a link at its name instead of writing through it (a copied Hugging Face snapshot links its
     files into the source model's blobs) and never opens a FIFO; a directory at one of those names raises
-    ValueError naming it. Before the files are put in place, every file of an earlier checkpoint that this writer may
-    produce (config, weights, index, generation config, tokenizer files, README.md) is removed from `directory`, so
-    that none of it ships with this one."""
+    ValueError naming it. Before the files are put in place, an earlier checkpoint's weight files (and its tokenizer
+    files, when a tokenizer is written) are removed from `directory`, so that none of it ships with this one; other
+    files there are left as they are. A save killed midway leaves a .w8a8_cpu-staging-* folder there (delete it); the
+    earlier checkpoint stays whole until the new one is staged, so the disk needs room for both."""
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0):
         raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes!r}")
     config = getattr(model, "config", None)
@@ -487,27 +488,28 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with writing(directory / INDEX_FILE):
                 (stage / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _remove_earlier_checkpoint(directory)
-        for staged in sorted(stage.iterdir()):
-            publish(staged, directory / staged.name)
+        files = sorted(stage.iterdir())
+        _remove_earlier_checkpoint(directory, [f.name for f in files], tokenizer is not None)
+        for file in files:
+            publish(file, directory / file.name)
 
 
-def _remove_earlier_checkpoint(directory: Path) -> None:
-    """Remove every entry of `directory` named as a file save_compressed (or the quantize command) may write: a
-    leftover shard, index, tokenizer file or README of another checkpoint would be read with ours. A directory at such
-    a name raises ValueError naming it, before anything is removed; TOKENIZER_FOLDER is the tokenizer's, removed
-    whole."""
-    names = {CONFIG_FILE, GENERATION_FILE, README_FILE, SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILES}
-    stale = [entry for entry in directory.iterdir()
-             if entry.name in names or entry.name == TOKENIZER_FOLDER or _SHARD_PATTERN.fullmatch(entry.name)]
-    folders = [entry for entry in stale if entry.is_dir() and not entry.is_symlink()]
-    for entry in folders:
-        if entry.name != TOKENIZER_FOLDER:
+def _remove_earlier_checkpoint(directory: Path, staged: List[str], tokenizer_written: bool) -> None:
+    """Before the `staged` files are put in place: remove what an earlier checkpoint in `directory` left that would be
+    read with ours, its weight files (single file, shards, index) always, and its tokenizer files (TOKENIZER_FILES,
+    TOKENIZER_FOLDER) when this save writes a tokenizer (a stale chat_template.jinja would ship with it). A tokenizer
+    the caller saved there stays when this save writes none; other files are the caller's. A directory at the name of
+    a file to remove or to write raises ValueError naming it, before anything is removed."""
+    names = {SINGLE_FILE, INDEX_FILE, *(TOKENIZER_FILES if tokenizer_written else ())}
+    stale = [entry for entry in directory.iterdir() if entry.name in names or _SHARD_PATTERN.fullmatch(entry.name)
+             or (tokenizer_written and entry.name == TOKENIZER_FOLDER)]
+    for entry in [*stale, *(directory / name for name in staged)]:
+        if entry.name != TOKENIZER_FOLDER and entry.is_dir() and not entry.is_symlink():
             raise ValueError(f"{entry}: is a directory where the checkpoint writes a file; delete it or write the "
                              f"checkpoint elsewhere")
     for entry in stale:
         with writing(entry):
-            if entry in folders:
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()  # a link itself, never what it points to

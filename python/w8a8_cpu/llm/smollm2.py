@@ -52,7 +52,7 @@ def available() -> bool:
 
 def cache_dir() -> Path:
     """The cache folder of the installed GGUF file (content-addressed: its hash, the format, transformers' major)."""
-    return cache.root() / cache.folder_name(_CACHE_PREFIX, _cache_key(gguf_path()))
+    return cache.folder(_CACHE_PREFIX, _cache_key(gguf_path()))
 
 
 def _offline_quiet() -> None:

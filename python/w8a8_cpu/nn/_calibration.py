@@ -30,8 +30,8 @@ def _run(model: torch.nn.Module, calibration: Calibration) -> None:
         if not isinstance(batch, torch.Tensor) or batch.numel() == 0:
             raise ValueError(f"calibration: batch {count}: expected a non-empty tensor of model inputs, got "
                              f"{type(batch).__name__} {tuple(getattr(batch, 'shape', ()))}")
-        if isinstance(vocab_size, int):  # a language model's (config.vocab_size): the batch is token ids
-            _check_token_ids(batch, count, vocab_size)
+        if isinstance(vocab_size, int) and not batch.is_floating_point() and not batch.is_complex():
+            _check_token_ids(batch, count, vocab_size)  # token ids of a language model (config.vocab_size)
         try:
             model(batch)
         except _Refused:
@@ -46,11 +46,10 @@ def _run(model: torch.nn.Module, calibration: Calibration) -> None:
 
 
 def _check_token_ids(batch: torch.Tensor, index: int, vocab_size: int) -> None:
-    """Token ids are integers in [0, vocab_size): float ids or ids past the table failed deep in the embedding, as a
-    RuntimeError or IndexError that named neither the batch nor the argument."""
-    if batch.is_floating_point() or batch.is_complex() or batch.dtype == torch.bool:
-        raise ValueError(f"calibration: batch {index}: expected integer token ids, got {batch.dtype} (a callable "
-                         f"calibration(model) runs inputs of other forms)")
+    """Integer batches of a model with config.vocab_size are token ids in [0, vocab_size): ids past the table failed
+    deep in the embedding, as an IndexError that named neither the batch nor the argument. (Float batches are left
+    to the model: some with a vocab_size take float inputs, e.g. a CTC head's; one that cannot run them fails as a
+    ValueError naming the batch.)"""
     low, high = int(batch.min()), int(batch.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(f"calibration: batch {index}: token ids must be in [0, {vocab_size}) (config.vocab_size), "

@@ -541,7 +541,8 @@ def test_a_lost_rank_makes_the_others_fail_within_the_timeout(case, tmp_path):
     assert codes[1] == 3, outputs[1][-2000:]
     assert codes[0] == 0, outputs[0][-2000:]
     message, seconds = results[0]["message"], results[0]["seconds"]
-    assert "row: row absmax failed on rank 0 of 2: another rank most likely died or stalled" in message
+    # the call's first collective: the standalone layer's input-shape agreement
+    assert "row: input agreement failed on rank 0 of 2: another rank most likely died or stalled" in message
     assert f"collectives wait at most {DEAD_RANK_TIMEOUT_S} s" in message
     assert seconds < DEAD_RANK_TIMEOUT_S + 5  # a dead peer is seen at once, a silent one at the timeout
 

@@ -74,7 +74,8 @@ def test_quantize_command_searches_alpha_and_writes_a_servable_directory(tmp_pat
 
 def test_quantize_command_says_when_smoothquant_cannot_run(tmp_path):
     """GPT-2 (Conv1D weights, GELU MLP) has nothing SmoothQuant can fold: one line naming the way out, exit 2, no
-    traceback; --smoothquant none quantizes it."""
+    traceback. --smoothquant none then reaches quantize_model, which refuses its Conv1D layers in one line too (it
+    used to leave them float and report a W8A8 checkpoint)."""
     _require_model()
     import transformers
 
@@ -86,7 +87,8 @@ def test_quantize_command_says_when_smoothquant_cannot_run(tmp_path):
     assert "quantize: SmoothQuant cannot run on this model" in r.stderr and "--smoothquant none" in r.stderr
     r = quantize(source, tmp_path / "out", "--smoothquant", "none", "--calibration-tokens", "64",
                  "--held-out-tokens", "64")
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "transformer.h.0.attn.c_attn: Conv1D (transformers' transposed linear" in r.stderr
 
 
 def test_quantize_command_on_smollm2_holds_the_gate(tmp_path):

@@ -158,3 +158,15 @@ def test_quantize_command_refuses_a_broken_model_directory_in_one_line(tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "quantize: " in r.stderr, r.stderr
         ours = [line for line in r.stderr.splitlines() if line.startswith("quantize: ")]  # (torch may warn too)
         assert len(ours) == 1 and message in ours[0], r.stderr
+
+
+def test_readme_says_that_moe_experts_are_rounded_to_nearest():
+    """GPTQ rounds the Linear layers only; the README said every int4 weight was rounded with it."""
+    from w8a8_cpu.cli.quantize import readme
+
+    report = dict(model_dir="m", scheme="w4a8", activations="dynamic", group_size=32, rounding="gptq",
+                  smoothquant_alpha=None, search=None, calibration="c", calibration_tokens=64, held_out_tokens=64,
+                  float_ppl=10.0, quantized_ppl=10.5, kl=0.01, top1=0.9, kept_float=["lm_head"])
+    for experts, said in ((True, True), (False, False)):
+        text = readme({**report, "experts_to_nearest": experts})
+        assert ("rounded with GPTQ on the calibration tokens (MoE experts: rounded to nearest)" in text) == said

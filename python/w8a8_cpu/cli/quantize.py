@@ -158,7 +158,7 @@ def _run(args, parser) -> int:
     from w8a8_cpu.llm.checkpoint import README_FILE, save_compressed
     from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
     from w8a8_cpu.llm.static_activations import calibrate_static_activations
-    from w8a8_cpu.nn import quantize_model
+    from w8a8_cpu.nn import W4A8Experts, quantize_model
 
     progress = Progress(5, enabled=not args.no_progress, name="quantize")  # load, smooth + quantize (or the
     # search), held-out scores, write, done
@@ -234,7 +234,9 @@ def _run(args, parser) -> int:
               "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),
               "float_ppl": scores["float"]["ppl"], "quantized_ppl": scores["quantized"]["ppl"],
               "kl": scores["quantized"]["kl"], "top1": scores["quantized"]["top1_agreement"],
-              "kept_float": _float_layers(model), "seconds": time.perf_counter() - t0}
+              "kept_float": _float_layers(model), "seconds": time.perf_counter() - t0,
+              # GPTQ rounds the Linear layers; quantize_model rounds int4 experts to nearest
+              "experts_to_nearest": rounding == "gptq" and any(isinstance(m, W4A8Experts) for m in model.modules())}
     write_file(out / README_FILE, readme(report).encode())  # as save_compressed writes: never through a link
     progress.step("done")
     print(summary(report))
@@ -264,7 +266,8 @@ def readme(r: dict) -> str:
              f"Quantized from `{r['model_dir']}` by `python -m w8a8_cpu quantize`: {ACTIVATIONS[r['activations']]}"
              f"; weights " + ("int8 per output channel" if r["scheme"] == "w8a8" else
                               f"int4 per group of {r['group_size'] or 'K (per channel)'}, symmetric, "
-                              f"{_ROUNDING[r['rounding']]}") +
+                              f"{_ROUNDING[r['rounding']]}" +
+                              (" (MoE experts: rounded to nearest)" if r.get("experts_to_nearest") else "")) +
              ". compressed-tensors format: vLLM serves this directory; `w8a8_cpu.llm.load_quantized` reads it.", "",
              f"- SmoothQuant alpha: {'none' if r['smoothquant_alpha'] is None else r['smoothquant_alpha']}"
              f"{' (searched)' if r['search'] else ''}",

@@ -155,7 +155,7 @@ def _run(args, parser) -> int:
     transformers_logging.disable_progress_bar()  # this command's own progress bar reports the steps
 
     from w8a8_cpu._files import write_file
-    from w8a8_cpu.llm.checkpoint import README_FILE, save_compressed
+    from w8a8_cpu.llm.checkpoint import save_compressed
     from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
     from w8a8_cpu.llm.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import W4A8Experts, quantize_model
@@ -237,7 +237,7 @@ def _run(args, parser) -> int:
               "kept_float": _float_layers(model), "seconds": time.perf_counter() - t0,
               # GPTQ rounds the Linear layers; quantize_model rounds int4 experts to nearest
               "experts_to_nearest": rounding == "gptq" and any(isinstance(m, W4A8Experts) for m in model.modules())}
-    write_file(out / README_FILE, readme(report).encode())  # as save_compressed writes: never through a link
+    write_file(out / "README.md", readme(report).encode())  # as save_compressed writes: never through a link
     progress.step("done")
     print(summary(report))
     return 0

@@ -43,7 +43,6 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 GENERATION_FILE = "generation_config.json"
-README_FILE = "README.md"  # written by the quantize command beside the checkpoint
 # config.json key of what only this package reads back: {"int8_embedding": true} when the token embedding (and an
 # lm_head tied to it) was held as one int8 table; the checkpoint stores that table as floats, so other readers load it
 # as a float embedding and ignore the key

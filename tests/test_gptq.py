@@ -260,3 +260,33 @@ def test_layers_reading_one_input_share_its_second_moment(gen):
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="calibration: b read the input of a in one model call but not in another"):
         quantize_model(TwoHeads(shared_input=False), scheme="w4a8", calibration=[x[:100], x[100:]])
+
+
+@pytest.mark.parametrize("head_rounded", [False, True])
+def test_calibration_computes_the_logits_only_the_rounded_layers_need(head_rounded):
+    """A transformers causal LM whose output layer is not rounded runs its calibration batches with logits_to_keep=1
+    (a third of SmolLM2's calibration run was its lm_head over every position): the output layer sees one position
+    a batch, and every rounded layer gets the weights of a run with all the logits (a callable calibration, run as
+    given). An output layer that GPTQ rounds still sees every position."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+
+    def tiny_llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    skip = [] if head_rounded else ["lm_head"]
+    model, positions = tiny_llama(), []
+    model.lm_head.register_forward_pre_hook(lambda module, args: positions.append(args[0].shape[1]))
+    quantize_model(model, skip=skip, scheme="w4a8", group_size=32, calibration=ids)
+    assert positions == [40 if head_rounded else 1]
+    full = quantize_model(tiny_llama(), skip=skip, scheme="w4a8", group_size=32, calibration=lambda m: m(ids))
+    layers = [name for name, module in model.named_modules() if isinstance(module, W4A8Linear)]
+    assert len(layers) == 7 + head_rounded
+    for name in layers:
+        got, want = model.get_submodule(name).int4_weight(), full.get_submodule(name).int4_weight()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name

@@ -208,6 +208,30 @@ def test_perplexity_windows_score_each_token_at_most_once_with_context(n, window
         evaluate.windows(n, window, window + 1)
 
 
+def test_perplexity_kl_and_top1_equal_their_float64_definitions():
+    """compare_on_text on two models given as functions (ids, last) -> logits, with vocabularies as large as
+    SmolLM2's: perplexity, KL(reference || model) and top-1 agreement equal their float64 definitions over the
+    scored positions (the KL, a difference of two fp32 sums a position, to ~4 significant digits)."""
+    from w8a8_cpu.llm import evaluate
+
+    g = torch.Generator().manual_seed(0)
+    vocab, n, used = 49152, 300, 200
+    ids = torch.randint(0, used, (n,), generator=g)
+    table = torch.randn(used, vocab, generator=g) * 3  # a position's logits: a function of its token
+    near = table + torch.randn(used, vocab, generator=g) * 0.15
+    models = {"ref": lambda x, last: table[x[-last:]], "near": lambda x, last: near[x[-last:]]}
+    got = evaluate.compare_on_text(models, "ref", ids, window=128, stride=64)
+    # position p's logits score token p + 1: every token after the first
+    ref_logp, logp = (torch.log_softmax(t[ids[:-1]].double(), -1) for t in (table, near))
+    targets = ids[1:].unsqueeze(1)
+    assert got["near"]["scored_tokens"] == n - 1
+    for name, lp in (("ref", ref_logp), ("near", logp)):
+        assert got[name]["ppl"] == pytest.approx(float((-lp.gather(1, targets).mean()).exp()), rel=1e-5)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean().item()
+    assert got["near"]["kl"] == pytest.approx(kl, rel=2e-4) and kl > 0.005
+    assert got["near"]["top1_agreement"] == pytest.approx((ref_logp.argmax(-1) == logp.argmax(-1)).double().mean().item())
+
+
 _CACHE_USER = r"""
 import sys, time
 from pathlib import Path

@@ -51,18 +51,23 @@ def compare_on_text(models: Dict[str, Union[torch.nn.Module, Decoder, LastLogits
         for i, (begin, end, first) in enumerate(spans):
             inputs = ids[begin:end]
             targets = ids[first:end]
-            ref_logp = ref_p = None
+            ref_p = ref_plogp = ref_top = None
             for name in [reference] + [n for n in models if n != reference]:
                 # position p predicts token p + 1: the logits of positions first-1 .. end-2 score the targets, so
                 # the LM head runs on the last end-first+1 positions only (it is a large share of the work)
                 logits = _last_logits(models[name], inputs, end - first + 1)[:-1].float()
                 logp = torch.log_softmax(logits, dim=-1)
                 totals[name]["nll"] -= logp.gather(1, targets.unsqueeze(1)).sum().item()
-                if ref_logp is None:
-                    ref_logp, ref_p = logp, logp.exp()  # once a window, not once per model
+                if ref_p is None:  # the reference's terms once a window, not once per model
+                    ref_p, ref_top = logp.exp(), logp.argmax(-1)
+                    ref_plogp = torch.linalg.vecdot(ref_p, logp)
                 else:
-                    totals[name]["kl"] += (ref_p * (ref_logp - logp)).sum().item()
-                    totals[name]["top1"] += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+                    # KL per position = sum p log p - sum p log q: one fused product a model (~1/3 of the time of
+                    # the elementwise form over the [positions, vocab] logits). The difference of two fp32 sums of
+                    # a few nats each: SmolLM2's W8A8 KL (0.016 a position) keeps ~4 significant digits
+                    kl = ref_plogp - torch.linalg.vecdot(ref_p, logp)
+                    totals[name]["kl"] += kl.double().sum().item()
+                    totals[name]["top1"] += int((logp.argmax(-1) == ref_top).sum())
             scored += targets.numel()
             if on_window:
                 on_window(i + 1, len(spans))

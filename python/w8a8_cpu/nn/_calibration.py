@@ -2,6 +2,7 @@
 input second moment H = sum of x x^T; then quantize_weight_int4 rounds each layer with it."""
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -12,8 +13,9 @@ Calibration = Union[torch.Tensor, Iterable[torch.Tensor], Callable[[torch.nn.Mod
 Int4Values = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
 
 
-def _run(model: torch.nn.Module, calibration: Calibration) -> None:
-    """Runs the model on the calibration inputs: calibration(model) for a callable, else model(batch) per batch."""
+def _run(model: torch.nn.Module, calibration: Calibration, **options) -> None:
+    """Runs the model on the calibration inputs: calibration(model) for a callable, else model(batch, **options) per
+    batch."""
     if callable(calibration):
         calibration(model)
         return
@@ -33,7 +35,7 @@ def _run(model: torch.nn.Module, calibration: Calibration) -> None:
         if isinstance(vocab_size, int) and not batch.is_floating_point() and not batch.is_complex():
             _check_token_ids(batch, count, vocab_size)  # token ids of a language model (config.vocab_size)
         try:
-            model(batch)
+            model(batch, **options)
         except _Refused:
             raise
         except Exception as error:  # the model's own error (a shape it cannot take), which names no batch
@@ -91,7 +93,7 @@ def second_moments(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str],
     model.eval()
     try:
         with torch.no_grad():
-            _run(model, calibration)
+            _run(model, calibration, **_last_logits_only(model, layers))
     finally:
         model.train(was_training)
         for handle in handles:
@@ -107,6 +109,21 @@ def second_moments(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str],
         if not torch.isfinite(sums[first]).all():
             raise ValueError(f"calibration: the inputs of {layers[first]} contain NaN or Inf")
     return [(sums[first], readers) for first, readers in sharing.items()]
+
+
+def _last_logits_only(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str]) -> dict:
+    """model(batch)'s extra options for a run that records `layers`: a transformers causal LM whose output layer is
+    not among them computes the logits of each batch's last position only (logits_to_keep=1), since no recorded
+    layer reads them: the output layer was a third of SmolLM2's calibration run (its 49152-row GEMM over every
+    position), and the layers' inputs are the same either way."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None or head in layers:
+        return {}
+    try:
+        takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no signature to read: run it plainly
+        takes = False
+    return {"logits_to_keep": 1} if takes else {}
 
 
 def gptq_int4(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str], calibration: Calibration, group_size: int,

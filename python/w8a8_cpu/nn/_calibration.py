@@ -116,7 +116,10 @@ def _last_logits_only(model: torch.nn.Module, layers: Dict[torch.nn.Linear, str]
     not among them computes the logits of each batch's last position only (logits_to_keep=1), since no recorded
     layer reads them: the output layer was a third of SmolLM2's calibration run (its 49152-row GEMM over every
     position), and the layers' inputs are the same either way."""
-    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):  # not a transformers model, or one without an output layer
+        head = None
     if head is None or head in layers:
         return {}
     try:

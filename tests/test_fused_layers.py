@@ -300,6 +300,58 @@ def test_decoder_rejects_what_it_does_not_run():
             decoder.logits(torch.zeros(3, dtype=torch.long), last)
 
 
+ROPE = {"linear": {"rope_type": "linear", "factor": 2.0},
+        "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+        "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+        "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32}}
+
+
+@pytest.mark.parametrize("rope", ROPE)
+def test_decoder_follows_every_rotary_type_it_accepts(rope):
+    """The rotary types whose tables do not depend on the call (yarn and llama3 past their original length): the
+    Decoder's logits are the model's, for a short call after a long one and for greedy's prompt."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model = tiny_llama(rope_scaling=ROPE[rope])
+    decoder, ids = Decoder(model), torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids[:40].unsqueeze(0)).logits[0]
+        decoder.logits(ids, 1)
+        torch.testing.assert_close(decoder.logits(ids[:40], 40), want, rtol=1e-4, atol=1e-4)
+        tokens = decoder.greedy(ids[:40], 30)
+        assert tokens[0] == int(want[-1].argmax())
+        torch.testing.assert_close(decoder.logits(ids[:40], 40), want, rtol=1e-4, atol=1e-4)
+
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)], "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("case,overrides,message", [
+    # the table of a long call gave later short calls the long factors: logits 0.44 off
+    ("longrope", dict(rope_scaling=LONGROPE), "rotary embedding of type 'longrope' is not supported"),
+    # a 8-wide table on 16-dim heads: the op rotated the wrong elements where the model's own forward fails
+    ("partial rotary", dict(rope_parameters={"rope_type": "linear", "factor": 1.0, "partial_rotary_factor": 0.5,
+                                             "rope_theta": 10000.0}),
+     "covers 8 of each head's 16 dimensions"),
+    ("window 0", dict(sliding_window=0, use_sliding_window=True), "sliding-window attention"),
+    # qwen2's window switched off while its layers say sliding: the model's own forward fails
+    ("sliding layer types", dict(layer_types=["sliding_attention", "full_attention"], use_sliding_window=False,
+                                 sliding_window=16), "sliding-window attention")])
+def test_decoder_refuses_attention_it_would_compute_wrongly(model_type, case, overrides, message):
+    """Configurations whose attention the Decoder did not compute as the model does (or where the model itself
+    fails) returned logits silently: now a ValueError naming what is missing."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    if (model_type == "llama" and "window" in case) or (model_type != "qwen2" and "layer_types" in overrides):
+        pytest.skip(f"{model_type} has no such setting")
+    model = tiny_llama(model_type, max_position_embeddings=256, head_dim=16, **overrides)
+    with pytest.raises(ValueError, match=message):
+        Decoder(model)
+
+
 @pytest.mark.parametrize("name", ["w_scale", "bias"])
 def test_load_state_dict_refuses_non_finite_weight_side_values(name):
     """load_state_dict into a built W8A8Linear checks what its constructor checks: NaN/Inf scales or bias refused,

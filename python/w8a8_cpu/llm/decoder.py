@@ -10,8 +10,8 @@ weight is the model's own, and its logits follow the model's (tests compare them
 agreement, the statistical gate a whole W8A8 model needs; greedy tokens follow the model's own argmax).
 
 Supported: transformers models whose config.model_type is in SUPPORTED (pre-norm decoder layers with RMSNorm, rotary
-attention with grouped KV heads, a SiLU-gated MLP, no sliding window). Anything else raises ValueError naming what is
-missing; use model.generate for those."""
+attention over whole heads with a rotary type in ROPE_TYPES and grouped KV heads, a SiLU-gated MLP, no sliding
+window). Anything else raises ValueError naming what is missing; use model.generate for those."""
 from __future__ import annotations
 
 import threading
@@ -22,6 +22,11 @@ import torch
 from ..nn import W8A8LinearSlice
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+# transformers' rotary types whose frequencies do not depend on the sequence within max_position_embeddings (which
+# Decoder does not exceed): one table serves every call. "longrope" switches between two sets of factors with the
+# sequence's length (a table made for a long call gave a later short one the long factors: logits 0.44 off) and
+# newer types are unknown: refused.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 class _RMSNorm:
@@ -82,7 +87,10 @@ class Decoder:
         if model_type not in SUPPORTED:
             raise ValueError(f"model: Decoder supports transformers models of type {', '.join(SUPPORTED)}, got "
                              f"{model_type!r}; use model.generate for it")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        # (a window of 0 too: the model's own forward fails on it; qwen2 sets a window it does not use)
+        layer_types = getattr(config, "layer_types", None) or ()
+        if (getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)) or \
+                any(kind != "full_attention" for kind in layer_types):
             raise ValueError(f"model: sliding-window attention (sliding_window={config.sliding_window}) is not "
                              f"supported by Decoder; use model.generate")
         inner = getattr(model, "model", None)
@@ -97,7 +105,16 @@ class Decoder:
         self.norm = _RMSNorm(inner.norm, "model.norm")
         self.lm_head = model.lm_head
         self.rotary = inner.rotary_emb
+        rope_type = getattr(self.rotary, "rope_type", None)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"model: rotary embedding of type {rope_type!r} is not supported by Decoder (it supports "
+                             f"{', '.join(ROPE_TYPES)}); use model.generate")
         self.dtype = _dtype(model)
+        head_dim = self.layers[0].head_dim
+        width = self.rotary(torch.zeros(1, 1, head_dim, dtype=self.dtype), torch.zeros(1, 1, dtype=torch.long))[0]
+        if width.shape[-1] != head_dim:  # a partial rotary factor: the rotary op would rotate the wrong elements
+            raise ValueError(f"model: its rotary embedding covers {width.shape[-1]} of each head's {head_dim} "
+                             f"dimensions (partial_rotary_factor); Decoder rotates whole heads; use model.generate")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self._model, self._parts = model, _parts(model)
         self._cache_len = 0

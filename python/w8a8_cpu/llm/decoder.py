@@ -88,10 +88,11 @@ class Decoder:
             raise ValueError(f"model: Decoder supports transformers models of type {', '.join(SUPPORTED)}, got "
                              f"{model_type!r}; use model.generate for it")
         # (a window of 0 too: the model's own forward fails on it; qwen2 sets a window it does not use)
-        layer_types = getattr(config, "layer_types", None) or ()
-        if (getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)) or \
-                any(kind != "full_attention" for kind in layer_types):
-            raise ValueError(f"model: sliding-window attention (sliding_window={config.sliding_window}) is not "
+        windowed = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
+        if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+            windowed.append(f"sliding_window={config.sliding_window}")
+        if windowed:
+            raise ValueError(f"model: sliding-window attention ({', '.join(sorted(set(windowed)))}) is not "
                              f"supported by Decoder; use model.generate")
         inner = getattr(model, "model", None)
         if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) or \

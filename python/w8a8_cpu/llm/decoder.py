@@ -88,12 +88,13 @@ class Decoder:
             raise ValueError(f"model: Decoder supports transformers models of type {', '.join(SUPPORTED)}, got "
                              f"{model_type!r}; use model.generate for it")
         # (a window of 0 too: the model's own forward fails on it; qwen2 sets a window it does not use)
-        windowed = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
+        windowed = {kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"}
         if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-            windowed.append(f"sliding_window={config.sliding_window}")
+            windowed.add(f"sliding_window={config.sliding_window}")
         if windowed:
-            raise ValueError(f"model: sliding-window attention ({', '.join(sorted(set(windowed)))}) is not "
-                             f"supported by Decoder; use model.generate")
+            from .checkpoint import _listing  # config.json's values, quoted back cut short (untrusted)
+            raise ValueError(f"model: sliding-window attention ({_listing(list(windowed))}) is not supported by "
+                             f"Decoder; use model.generate")
         inner = getattr(model, "model", None)
         if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) or \
                 not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
@@ -108,8 +109,9 @@ class Decoder:
         self.rotary = inner.rotary_emb
         rope_type = getattr(self.rotary, "rope_type", None)
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"model: rotary embedding of type {rope_type!r} is not supported by Decoder (it supports "
-                             f"{', '.join(ROPE_TYPES)}); use model.generate")
+            from .checkpoint import _echo  # config.json's value, quoted back cut short (untrusted)
+            raise ValueError(f"model: rotary embedding of type {_echo(rope_type)} is not supported by Decoder (it "
+                             f"supports {', '.join(ROPE_TYPES)}); use model.generate")
         self.dtype = _dtype(model)
         head_dim = self.layers[0].head_dim
         width = self.rotary(torch.zeros(1, 1, head_dim, dtype=self.dtype), torch.zeros(1, 1, dtype=torch.long))[0]

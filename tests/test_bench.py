@@ -123,9 +123,9 @@ def test_bench_threads_sweep_busy_and_error_column(tmp_path):
         (case,) = run["linear"]
         errors = {cand: r["rel_error"] for cand, r in case["results"].items()}
         assert errors["torch fp32"] < 1e-5 and 1e-3 < errors["w8a8_cpu"] < 3e-2, errors
-        # 576 / 128: 4 whole groups and a part; nibbles, a scale per group and channel, a float per channel
+        # 576 / 128: 4 whole groups and a part; nibbles, an fp16 scale per group and channel, a float per channel
         assert run["w4a8_group_size"] == 128 and errors["w8a8_cpu W4A8"] < 0.15, errors
-        assert case["results"]["w8a8_cpu W4A8"]["weight_bytes"] == 576 * 576 // 2 + 4 * 576 * 5 + 4 * 576
+        assert case["results"]["w8a8_cpu W4A8"]["weight_bytes"] == 576 * 576 // 2 + 2 * 576 * 5 + 4 * 576
         assert ("onnxruntime rr" in errors) == have_ort
 
 

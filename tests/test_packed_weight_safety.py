@@ -21,13 +21,13 @@ from w8a8_cpu import reference
 
 # ---- the blob format (little-endian on every supported arch) ---------------------------------------------------
 HEADER = 64
-OFF_VERSION, OFF_NR, OFF_KR, OFF_SCHEME, OFF_GROUP = 8, 12, 13, 14, 15
+OFF_VERSION, OFF_SCALES, OFF_RESERVED, OFF_NR, OFF_KR, OFF_SCHEME, OFF_GROUP = 8, 10, 11, 12, 13, 14, 15
 OFF_N, OFF_K, OFF_NP, OFF_KP, OFF_NAME, OFF_CRC = 16, 24, 32, 40, 48, 60
 NAME_BYTES = 12
-VERSION = 4
-FIELDS = {"version": (OFF_VERSION, "<I"), "nr": (OFF_NR, "<B"), "kr": (OFF_KR, "<B"), "scheme": (OFF_SCHEME, "<B"),
-          "group_log2": (OFF_GROUP, "<B"), "n": (OFF_N, "<q"), "k": (OFF_K, "<q"), "n_padded": (OFF_NP, "<q"),
-          "k_padded": (OFF_KP, "<q")}
+VERSION = 5
+FIELDS = {"version": (OFF_VERSION, "<H"), "scale_storage": (OFF_SCALES, "<B"), "reserved": (OFF_RESERVED, "<B"),
+          "nr": (OFF_NR, "<B"), "kr": (OFF_KR, "<B"), "scheme": (OFF_SCHEME, "<B"), "group_log2": (OFF_GROUP, "<B"),
+          "n": (OFF_N, "<q"), "k": (OFF_K, "<q"), "n_padded": (OFF_NP, "<q"), "k_padded": (OFF_KP, "<q")}
 
 
 def _crc32c_table():
@@ -92,7 +92,7 @@ def encode(w: torch.Tensor, nr: int, kr: int, name: bytes = b"ref") -> bytearray
     wp = torch.zeros(n_padded, k_padded, dtype=torch.int8)
     wp[:n, :k] = w
     panels = wp.reshape(n_padded // nr, nr, k_padded // kr, kr).permute(0, 2, 1, 3)  # panel[k / kr][n % nr][k % kr]
-    header = b"W8A8PKW\0" + struct.pack("<IBBBBqqqq", VERSION, nr, kr, 0, 0, n, k, n_padded, k_padded)
+    header = b"W8A8PKW\0" + struct.pack("<HBBBBBBqqqq", VERSION, 0, 0, nr, kr, 0, 0, n, k, n_padded, k_padded)
     header += name.ljust(NAME_BYTES, b"\0") + bytes(4)
     sums = wp.sum(dim=1, dtype=torch.int32)
     return seal(bytearray(header + panels.contiguous().numpy().tobytes() + sums.numpy().tobytes()))
@@ -230,7 +230,8 @@ def test_size_overflow_is_rejected(variant, gen):
 @pytest.mark.parametrize("field,value", [("n", 1 << 62), ("n", -16), ("n", 0), ("k", 1 << 17), ("k", -4),
                                          ("nr", 0), ("kr", 0), ("nr", 255), ("kr", 65), ("scheme", 3), ("group_log2", 4),
                                          ("group_log2", 17), ("n_padded", 1 << 63),
-                                         ("k_padded", -92)])
+                                         ("k_padded", -92), ("scale_storage", 1), ("scale_storage", 2),
+                                         ("reserved", 1)])
 def test_out_of_range_header_field_is_rejected(variant, gen, field, value):
     w_q, w_scale, _, x_q, x_scale = linear_case(gen)
     blob = put(raw_bytes(w8a8_cpu.pack_weight(w_q)), field, value)
@@ -304,11 +305,14 @@ def test_resealed_nonzero_padding_is_rejected(variant, gen):
         mm(x_q, as_tensor(seal(blob)), x_scale, w_scale)
 
 
-def test_old_format_version_is_rejected_with_repack_hint(gen):
+@pytest.mark.parametrize("version", [2, 4])
+def test_old_format_version_is_rejected_with_repack_hint(gen, version):
+    # versions up to 4 held a uint32 version where version 5 holds a uint16 one, the scale storage and a reserved byte
     w_q, w_scale, _, x_q, x_scale = linear_case(gen)
-    blob = seal(put(raw_bytes(w8a8_cpu.pack_weight(w_q)), "version", 2))
-    with pytest.raises(ValueError, match=r"^w: packed weight format version 2 is not supported.*re-pack"):
-        mm(x_q, as_tensor(blob), x_scale, w_scale)
+    blob = raw_bytes(w8a8_cpu.pack_weight(w_q))
+    struct.pack_into("<I", blob, OFF_VERSION, version)
+    with pytest.raises(ValueError, match=rf"^w: packed weight format version {version} is not supported.*re-pack"):
+        mm(x_q, as_tensor(seal(blob)), x_scale, w_scale)
 
 
 def test_in_place_edit_after_first_use_is_caught(variant, gen):

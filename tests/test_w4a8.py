@@ -78,8 +78,9 @@ def test_int4_blob_size_matches_the_python_rule(variant, gen):
 
     for n, k, group_size, symmetric in ((33, 100, 32, True), (16, 300, 0, False), (5, 64, 64, False)):
         _, q, scale, minimum = int4_case(gen, n, k, group_size, symmetric)
-        blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size)
-        assert blob.numel() == packed_weight_nbytes(n, k, group_size, minimum is not None)
+        for half_scales in (False, True):
+            blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size, half_scales)
+            assert blob.numel() == packed_weight_nbytes(n, k, group_size, minimum is not None, half_scales)
 
 
 @pytest.mark.parametrize("call,message", [
@@ -105,6 +106,63 @@ def test_bad_int4_input_raises_naming_it(gen, call, message):
     _, q, scale, minimum = int4_case(gen, 12, 90, 32, False)
     with pytest.raises(ValueError, match=message):
         call(q, scale, minimum)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+def test_int4_scales_stored_as_fp16_give_the_same_bits(variant, gen, m):
+    """Scales that are fp16 values (quantize_weight_int4 rounds them so) are packed in 2 bytes by default (half_scales):
+    the blob shrinks by 2 bytes per group and padded channel, reads back the same values, and every variant's output
+    is bit for bit the fp32-stored blob's and the reference's, at decode and prefill row counts, with and without
+    minimums, per group and per channel."""
+    from w8a8_cpu._packed_weight import header_half_scales, packed_weight_nbytes
+
+    for n, k, group_size, symmetric in ((40, 100, 32, True), (33, 300, 64, False), (20, 4096, 32, False),
+                                        (16, 96, 0, True)):
+        _, q, scale, minimum = int4_case(gen, n, k, group_size, symmetric)
+        assert torch.equal(scale.half().float(), scale)
+        b16 = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size)
+        b32 = w8a8_cpu.pack_weight_int4(q, scale, minimum, group_size, half_scales=False)
+        assert header_half_scales(b16) and not header_half_scales(b32)
+        assert b16.numel() == packed_weight_nbytes(n, k, group_size, minimum is not None, half_scales=True)
+        nr = int(b16[12])
+        assert b32.numel() - b16.numel() == 2 * -(-n // nr) * nr * scale.shape[1]
+        q2, scale2, minimum2, group2 = w8a8_cpu.int4_weight_values(b16)
+        assert torch.equal(q2, q) and torch.equal(scale2, scale) and group2 == group_size
+        assert (minimum is None and minimum2 is None) or torch.equal(minimum2, minimum)
+        x = torch.randn(m, k, generator=gen)
+        w_scale = torch.rand(n, generator=gen) + 0.5
+        got = w8a8_cpu.int8_scaled_mm_with_quant(x, b16, w_scale, None, torch.float32)
+        assert torch.equal(got, w8a8_cpu.int8_scaled_mm_with_quant(x, b32, w_scale, None, torch.float32))
+        x_q, x_scale = reference.per_token_quant_int8(x)
+        assert torch.equal(got, reference.int4_scaled_mm(x_q, q, x_scale, w_scale, scale, minimum, group_size, None,
+                                                         torch.float32))
+
+
+def test_int4_scale_storage_is_chosen_by_the_values(gen):
+    """half_scales None stores fp16 exactly when every scale is an fp16 value, else fp32 (the same results); True with
+    a scale that is not one is a ValueError naming it; experts share one storage (their blobs stack); a layer loads
+    a state_dict whose blob stores its scales in the other width."""
+    from w8a8_cpu._packed_weight import header_half_scales
+
+    _, q, scale, minimum = int4_case(gen, 12, 90, 32, False)
+    off_grid = scale.clone()
+    off_grid[3, 1] *= 1 + 2 ** -20  # between two fp16 values
+    assert not header_half_scales(w8a8_cpu.pack_weight_int4(q, off_grid, minimum, 32))
+    with pytest.raises(ValueError, match=r"^scale: fp16 storage holds only fp16 values; row 3, group 1 is not one"):
+        w8a8_cpu.pack_weight_int4(q, off_grid, minimum, 32, half_scales=True)
+    with pytest.raises(ValueError, match=r"^half_scales: expected None or a bool, got 'yes'"):
+        w8a8_cpu.pack_weight_int4(q, scale, minimum, 32, half_scales="yes")
+    # an all-zero group's step, 1e-10: below fp16's normal range, kept fp32 by the quantizer (so is the blob)
+    q0, scale0, _ = w8a8_cpu.quantize_weight_int4(torch.cat([torch.zeros(1, 32), torch.randn(1, 32)], 1), 32)
+    assert scale0[0, 0] == 1e-10 and not header_half_scales(w8a8_cpu.pack_weight_int4(q0, scale0, None, 32))
+    experts = w8a8_cpu.pack_experts_int4(torch.stack([q, q]), torch.stack([scale, off_grid]),
+                                         torch.stack([minimum, minimum]), 32)
+    assert experts.shape[0] == 2 and not any(header_half_scales(b) for b in experts)
+    x = torch.randn(4, 90, generator=gen)
+    donor, taker = (W4A8Linear(q, s, minimum, 32) for s in (off_grid, scale))
+    assert taker.weight_packed.numel() < donor.weight_packed.numel()
+    taker.load_state_dict(donor.state_dict())
+    assert torch.equal(taker(x), donor(x))
 
 
 def test_int4_blob_is_untrusted_input(gen):
@@ -211,7 +269,9 @@ def test_int4_ops_trace_and_layers_reload():
     W4A8Linear runs under torch.compile (fullgraph) bit for bit as eager, and reloads from its state_dict."""
     q, scale, minimum = w8a8_cpu.quantize_weight_int4(torch.randn(40, 96), 32, False)
     checks = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.w8a8_cpu.pack_weight_int4.default, (q, scale, minimum, 32), test_utils=checks)
+    for half_scales in (False, True):  # (scale: fp16 values, as quantize_weight_int4 rounds them)
+        torch.library.opcheck(torch.ops.w8a8_cpu.pack_weight_int4.default, (q, scale, minimum, 32, half_scales),
+                              test_utils=checks)
     blob = w8a8_cpu.pack_weight_int4(q, scale, minimum, 32)
     x = torch.randn(3, 96)
     torch.library.opcheck(torch.ops.w8a8_cpu.int8_scaled_mm_with_quant.default,

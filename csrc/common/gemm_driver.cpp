@@ -173,12 +173,6 @@ namespace {
 // stack. A multiple of 32 (every group size, every panel depth, whole nibble chunks).
 constexpr int64_t kInt4Block = 256;
 
-inline float load_float(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // t (rows [r0, r1) x nr, at most mr rows) of one int4 panel without an int4 tile: each block of k widened to int8 once
 // (and summed per column for the biased-A tiles), the variant's int8 tile over each group of it, the group's int32
 // products added up (exact), the groups combined in fp32 in GemmOutput's order.
@@ -187,7 +181,8 @@ void int4_rows_via_int8_tile(const MicroKernel& kernel, const uint8_t* a_packed,
   const int nr = w.layout.nr;
   const int64_t elem = static_cast<int64_t>(kernel.geometry().a_elem_bytes);
   const uint8_t* scales = panel + w.nibble_bytes;
-  const uint8_t* mins = scales + w.groups * nr * 4;
+  const uint8_t* mins = scales + w.scale_bytes;
+  const bool half_scales = w.int4_groups().half_scales;
   int8_t block[kInt4Block * kMaxPanelWidth];
   int32_t sums[kMaxPanelWidth], c[kMaxTileInt32], group_acc[kMaxTileInt32];
   std::fill(t, t + rows * nr, 0.f);
@@ -203,10 +198,11 @@ void int4_rows_via_int8_tile(const MicroKernel& kernel, const uint8_t* a_packed,
     for (int i = 0; i < rows; ++i) {
       float* ti = t + i * nr;
       const int32_t* cg = group_acc + i * nr;
-      for (int j = 0; j < nr; ++j) ti[j] = ti[j] + static_cast<float>(cg[j]) * load_float(scales + (g * nr + j) * 4);
+      for (int j = 0; j < nr; ++j)
+        ti[j] = ti[j] + static_cast<float>(cg[j]) * load_group_scale(scales, half_scales, g * nr + j);
       if (w.has_mins()) {
         const float a_sum = static_cast<float>(a_group_sums[i * w.groups + g]);
-        for (int j = 0; j < nr; ++j) ti[j] = ti[j] + a_sum * load_float(mins + (g * nr + j) * 4);
+        for (int j = 0; j < nr; ++j) ti[j] = ti[j] + a_sum * load_group_scale(mins, false, g * nr + j);
       }
     }
   }
@@ -225,7 +221,7 @@ void compute_int4_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64
     const int32_t* sums = o.a_group_sums + r * w.groups;
     if (kernel.int4_tile)
       kernel.int4_tile(reinterpret_cast<const int8_t*>(a_packed + r * a_stride), static_cast<size_t>(a_stride), rows,
-                       panel_data, w.layout, w.group, w.groups, w.has_mins(), sums, t);
+                       panel_data, w.layout, w.int4_groups(), sums, t);
     else
       int4_rows_via_int8_tile(kernel, a_packed + r * a_stride, a_stride, rows, sums, w, panel_data, t);
     for (int i = 0; i < rows; ++i) scale_row(t + i * nr, r + i, n0, cols, o);
@@ -270,7 +266,7 @@ void compute_two_panels(const MicroKernel& kernel, const uint8_t* a_packed, int6
   int32_t c[kTwoPanelMaxRows * 2 * kMaxPanelWidth];
   if (w.int4()) {
     kernel.int4_two_panel_rows(reinterpret_cast<const int8_t*>(a_packed), static_cast<size_t>(a_stride), m, panels,
-                               w.panel_bytes, w.layout, w.group, w.groups, w.has_mins(), o.a_group_sums, t);
+                               w.panel_bytes, w.layout, w.int4_groups(), o.a_group_sums, t);
   } else {
     int32_t sums[2 * kMaxPanelWidth];
     load_col_sums(w, panel * nr, 2 * nr, sums);

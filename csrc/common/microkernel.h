@@ -44,6 +44,14 @@ struct TileGeometry {
 
 struct GemmOutput;  // epilogue.h
 
+// The group structure of an int4 panel (packed_weight.h, WeightScheme / ScaleStorage): `groups` groups of `group` k
+// per channel; after the nibbles the scales [groups][nr] (fp16 with half_scales, else fp32), then with has_mins the
+// fp32 minimums [groups][nr].
+struct Int4Groups {
+  int64_t group, groups;
+  bool has_mins, half_scales;
+};
+
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...
   uint64_t required_features;  // CpuFeature bits the CPU must have
@@ -82,11 +90,11 @@ struct MicroKernel {
 
   // Optional W4A8 tile (null: the driver widens int4 panels to int8 blocks and runs `tile` on each group). For m <= mr
   // rows of plain int8 A (values in [-127, 127], zero-padded to the panel's k, rows a_row_stride bytes apart) and one
-  // int4 panel (packed_weight.h, WeightScheme: nibbles, then scales [groups][nr], then with has_mins minimums
-  // [groups][nr]; any alignment): t[i * nr + j] = the fp32 group sum in GemmOutput's fixed order (epilogue.h) over
-  // exact int32 group products, a_group_sums[i * groups + g] being row i's sum over group g.
+  // int4 panel (Int4Groups: nibbles, scales, minimums; any alignment): t[i * nr + j] = the fp32 group sum in
+  // GemmOutput's fixed order (epilogue.h) over exact int32 group products, a_group_sums[i * groups.groups + g] being
+  // row i's sum over group g.
   void (*int4_tile)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout layout,
-                    int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) = nullptr;
+                    const Int4Groups& groups, const int32_t* a_group_sums, float* t) = nullptr;
 
   // Optional: activation.h's silu_mul_row and softmax_numerators_row compiled in the variant's TU, with its ISA (null:
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
@@ -111,8 +119,8 @@ struct MicroKernel {
   void (*two_panel_rows)(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
                          const int32_t* col_sums, PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
   void (*int4_two_panel_rows)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
-                              PanelLayout layout, int64_t group, int64_t groups, bool has_mins,
-                              const int32_t* a_group_sums, float* t) = nullptr;
+                              PanelLayout layout, const Int4Groups& groups, const int32_t* a_group_sums,
+                              float* t) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

@@ -77,7 +77,7 @@ PackedWeightSizes checked_sizes(int64_t n, int64_t k, PanelLayout layout, Weight
     throw std::invalid_argument(std::string(arg) + ": a [" + std::to_string(n) + ", " + std::to_string(k) +
                                 "] weight is outside the packed weight format (1 <= N <= " +
                                 std::to_string(kMaxPackedN) + ", 1 <= K <= " + std::to_string(kMaxK) +
-                                (format.scheme == WeightScheme::int4
+                                (format.scheme != WeightScheme::int8
                                      ? ", int4 groups of 2^" + std::to_string(kMinGroupLog2) + " .. 2^" +
                                            std::to_string(kMaxGroupLog2) + " k, a multiple of the panel depth"
                                      : std::string()) +
@@ -140,17 +140,21 @@ bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, WeightFormat 
   const bool int4 = format.scheme == WeightScheme::int4 || format.scheme == WeightScheme::int4_min;
   if (int4 ? (format.group_log2 != 0 && (format.group_log2 < kMinGroupLog2 || format.group_log2 > kMaxGroupLog2)) ||
                  32 % layout.kr != 0 || (32 * layout.nr) % kInt4ChunkElements != 0
-           : format.scheme != WeightScheme::int8 || format.group_log2 != 0)
+           : format.scheme != WeightScheme::int8 || format.group_log2 != 0 || format.scales != ScaleStorage::f32)
     return false;
+  if (format.scales != ScaleStorage::f32 && format.scales != ScaleStorage::f16) return false;
   // Within those bounds nothing below can overflow (the body is < 2^50 bytes); checked anyway, so that raising a
   // bound can never turn a hostile header into a small size.
   const int64_t group_step = int4 ? (format.group_log2 ? int64_t{1} << format.group_log2 : 32) : layout.kr;
   const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, group_step);
   const int64_t group = int4 && format.group_log2 ? group_step : k_padded, groups = k_padded / group;
-  const int64_t values = int4 ? (format.scheme == WeightScheme::int4_min ? 2 : 1) : 0;  // fp32 per group and channel
-  int64_t elements, nibble_bytes, value_bytes, panel_bytes, body, col_sums_offset, sum_bytes, nbytes;
+  // bytes per group and channel: a scale, and with int4_min an fp32 minimum
+  const int64_t scale_size = int4 ? scale_bytes(format.scales) : 0;
+  const int64_t value_size = scale_size + (format.scheme == WeightScheme::int4_min ? 4 : 0);
+  int64_t elements, nibble_bytes, panel_scale_bytes, value_bytes, panel_bytes, body, col_sums_offset, sum_bytes, nbytes;
   if (__builtin_mul_overflow(k_padded, static_cast<int64_t>(layout.nr), &elements) ||
-      __builtin_mul_overflow(groups * layout.nr, 4 * values, &value_bytes))
+      __builtin_mul_overflow(groups * layout.nr, scale_size, &panel_scale_bytes) ||
+      __builtin_mul_overflow(groups * layout.nr, value_size, &value_bytes))
     return false;
   nibble_bytes = int4 ? elements / 2 : 0;
   panel_bytes = int4 ? nibble_bytes + value_bytes : elements;
@@ -159,7 +163,7 @@ bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, WeightFormat 
       __builtin_mul_overflow(int4 ? 0 : n_padded, int64_t{4}, &sum_bytes) ||
       __builtin_add_overflow(col_sums_offset, sum_bytes, &nbytes))
     return false;
-  *sizes = {n_padded, k_padded, panel_bytes, nibble_bytes, col_sums_offset, nbytes, group, groups};
+  *sizes = {n_padded, k_padded, panel_bytes, nibble_bytes, panel_scale_bytes, col_sums_offset, nbytes, group, groups};
   return true;
 }
 
@@ -198,6 +202,7 @@ void write_header(const MicroKernel& kernel, int64_t n, int64_t k, WeightFormat 
     throw std::logic_error(std::string("variant name '") + kernel.name + "' does not fit the packed weight header");
   std::memcpy(header.magic, kPackedMagic, sizeof kPackedMagic);
   header.version = kPackedVersion;
+  header.scale_storage = static_cast<uint8_t>(format.scales);
   header.nr = static_cast<uint8_t>(layout.nr);
   header.kr = static_cast<uint8_t>(layout.kr);
   header.scheme = static_cast<uint8_t>(format.scheme);
@@ -255,6 +260,13 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
       if (q[row * ldq + kk] < -8 || q[row * ldq + kk] > 7)
         throw std::invalid_argument("q: int4 weights must lie in [-8, 7]; row " + std::to_string(row) + ", k " +
                                     std::to_string(kk) + " holds " + std::to_string(q[row * ldq + kk]));
+  const bool half = format.scales == ScaleStorage::f16;
+  if (half)
+    for (int64_t i = 0; i < n * sizes.groups; ++i)
+      if (f16_bits_to_float(float_to_f16_bits(scales[i])) != scales[i])
+        throw std::invalid_argument("scale: fp16 storage holds only fp16 values; row " +
+                                    std::to_string(i / sizes.groups) + ", group " + std::to_string(i % sizes.groups) +
+                                    " is not one (store the scales as fp32)");
   write_header(kernel, n, k, format, sizes, blob);
   uint8_t* panels = blob + sizeof(PackedWeightHeader);
   parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
@@ -270,10 +282,16 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
         }
         for (int64_t g = 0; g < sizes.groups; ++g) {  // [groups][nr] per panel; padded channels 0
           const float scale = row < n ? scales[row * sizes.groups + g] : 0.f;
-          std::memcpy(panel + sizes.nibble_bytes + (g * nr + j) * 4, &scale, 4);
+          uint8_t* scale_at = panel + sizes.nibble_bytes + (g * nr + j) * (half ? 2 : 4);
+          if (half) {
+            const uint16_t bits = float_to_f16_bits(scale);
+            std::memcpy(scale_at, &bits, 2);
+          } else {
+            std::memcpy(scale_at, &scale, 4);
+          }
           if (mins) {
             const float minimum = row < n ? mins[row * sizes.groups + g] : 0.f;
-            std::memcpy(panel + sizes.nibble_bytes + ((sizes.groups + g) * nr + j) * 4, &minimum, 4);
+            std::memcpy(panel + sizes.nibble_bytes + sizes.scale_bytes + (g * nr + j) * 4, &minimum, 4);
           }
         }
       }
@@ -300,25 +318,39 @@ PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const c
     throw std::invalid_argument(name + ": packed weight header: packed_by is not a NUL-terminated printable ASCII "
                                 "variant name (corrupted blob)");
   const PanelLayout layout{h.nr, h.kr};
-  const WeightFormat format{static_cast<WeightScheme>(h.scheme), h.group_log2};
+  const WeightFormat format{static_cast<WeightScheme>(h.scheme), h.group_log2,
+                            static_cast<ScaleStorage>(h.scale_storage)};
   PackedWeightSizes sizes;
-  if (h.scheme > static_cast<uint8_t>(WeightScheme::int4_min) || !packed_weight_sizes(h.n, h.k, layout, format, &sizes) ||
-      sizes.n_padded != h.n_padded || sizes.k_padded != h.k_padded)
+  if (h.scheme > static_cast<uint8_t>(WeightScheme::int4_min) || h.reserved != 0 ||
+      !packed_weight_sizes(h.n, h.k, layout, format, &sizes) || sizes.n_padded != h.n_padded ||
+      sizes.k_padded != h.k_padded)
     throw std::invalid_argument(
         name + ": packed weight header: n = " + std::to_string(h.n) + ", k = " + std::to_string(h.k) + ", panel " +
         std::to_string(h.nr) + "x" + std::to_string(h.kr) + ", scheme " + std::to_string(h.scheme) + ", group 2^" +
-        std::to_string(h.group_log2) + ", padded to " + std::to_string(h.n_padded) + " x " +
+        std::to_string(h.group_log2) + ", scales " + std::to_string(h.scale_storage) + "/" +
+        std::to_string(h.reserved) + ", padded to " + std::to_string(h.n_padded) + " x " +
         std::to_string(h.k_padded) + " is outside the format (1 <= n <= " + std::to_string(kMaxPackedN) +
         ", 1 <= k <= " + std::to_string(kMaxK) + ", panel at most " + std::to_string(kMaxPanelWidth) + "x" +
-        std::to_string(kMaxPanelDepth) + ", scheme 0 (int8, group 0), 1 or 2 (int4, group 0 or 2^" +
+        std::to_string(kMaxPanelDepth) + ", scheme 0 (int8, group 0, scales 0/0), 1 or 2 (int4, group 0 or 2^" +
         std::to_string(kMinGroupLog2) + " .. 2^" + std::to_string(kMaxGroupLog2) +
-        "), padding to the next panel or group multiple) (corrupted blob)");
+        ", scales 0/0 fp32 or 1/0 fp16), padding to the next panel or group multiple) (corrupted blob)");
   if (sizes.nbytes != nbytes)
     throw std::invalid_argument(name + ": packed weight header is inconsistent with its size: it describes " +
                                 std::to_string(sizes.nbytes) + " bytes, the tensor has " + std::to_string(nbytes) +
                                 " (corrupted or truncated blob)");
   return {h,      layout, format, sizes.group, sizes.groups, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h),
-          sizes.panel_bytes, sizes.nibble_bytes, blob + sizes.col_sums_offset};
+          sizes.panel_bytes, sizes.nibble_bytes, sizes.scale_bytes, blob + sizes.col_sums_offset};
+}
+
+float load_group_scale(const uint8_t* scales, bool half_scales, int64_t i) {
+  if (half_scales) {
+    uint16_t bits;
+    std::memcpy(&bits, scales + i * 2, 2);
+    return f16_bits_to_float(bits);
+  }
+  float v;
+  std::memcpy(&v, scales + i * 4, 4);
+  return v;
 }
 
 void load_col_sums(const PackedWeightView& w, int64_t first, int64_t count, int32_t* dst) {
@@ -344,10 +376,11 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
   for (int64_t p = 0; p < panels; ++p) {
     const int8_t* panel = w.panels + p * w.panel_bytes;
     if (w.int4()) {  // scales and minimums are weight-side values: finite (the ops' rule), 0 in padded channels
-      const int64_t values = w.groups * nr * (w.has_mins() ? 2 : 1);
+      const int64_t per_kind = w.groups * nr, values = per_kind * (w.has_mins() ? 2 : 1);
+      const auto* scales = reinterpret_cast<const uint8_t*>(panel + w.nibble_bytes);
       for (int64_t v = 0; v < values; ++v) {
-        float value;
-        std::memcpy(&value, panel + w.nibble_bytes + v * 4, 4);
+        const float value = v < per_kind ? load_group_scale(scales, w.int4_groups().half_scales, v)
+                                         : load_group_scale(scales + w.scale_bytes, false, v - per_kind);
         const int64_t channel = p * nr + v % nr;
         if (!std::isfinite(value) || (channel >= h.n && value != 0.f))
           throw_corrupted(arg, std::string(channel >= h.n ? "padded channel's group scale is not 0"

@@ -252,9 +252,10 @@ at::Tensor pack_weight_op(const at::Tensor& w) {
 }
 
 // int4 weights: q int8 [N, K] holding values in [-8, 7], scale (and minimum) fp32 [N, groups] per group of group_size
-// k (a power of two, 32 .. 65536) or per channel (group_size 0, one group).
+// k (a power of two, 32 .. 65536) or per channel (group_size 0, one group); half_scales: the scales stored as fp16
+// (each must be an fp16 value).
 at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
-                               int64_t group_size) {
+                               int64_t group_size, bool half_scales) {
   check_cpu(q, "q");
   TORCH_CHECK_VALUE(q.scalar_type() == at::kChar, "q: dtype must be int8 holding int4 values in [-8, 7] ([N, K]), got ",
                     q.scalar_type());
@@ -282,7 +283,8 @@ at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, con
   };
   const at::Tensor s = checked_values(scale, "scale");
   const at::Tensor mn = minimum ? checked_values(*minimum, "minimum") : at::Tensor();
-  const WeightFormat format{mn.defined() ? WeightScheme::int4_min : WeightScheme::int4, group_log2};
+  const WeightFormat format{mn.defined() ? WeightScheme::int4_min : WeightScheme::int4, group_log2,
+                            half_scales ? ScaleStorage::f16 : ScaleStorage::f32};
   const MicroKernel& kernel = active_kernel();
   const at::Tensor qc = q.contiguous();  // (int8: any address is aligned)
   const int64_t nbytes = as_value_errors(
@@ -945,7 +947,8 @@ TORCH_LIBRARY(w8a8_cpu, m) {
   m.def("decode_attention_(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int position, int heads, float scale) "
         "-> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
-  m.def("pack_weight_int4(Tensor q, Tensor scale, Tensor? minimum=None, int group_size=0) -> Tensor");
+  m.def("pack_weight_int4(Tensor q, Tensor scale, Tensor? minimum=None, int group_size=0, bool half_scales=False) "
+        "-> Tensor");
   m.def(
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
       "Tensor w2_scale, str activation='silu', bool apply_router_weight_on_input=False) -> Tensor");

@@ -102,8 +102,10 @@ inline __m256i add_in_order(__m256i a, __m256i b) {
 // P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode row tile
 // (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
 template <int M, int P = 1>
-void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, int64_t group,
-               int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
+void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, const Int4Groups& f,
+               const int32_t* a_group_sums, float* t) {
+  const int64_t group = f.group, groups = f.groups;
+  const bool has_mins = f.has_mins;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   constexpr int kCols = P * kNr;
   Int4PanelStream stream[P];
@@ -111,7 +113,7 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
 #pragma GCC unroll 2
   for (int p = 0; p < P; ++p) {
     // running on into the next panels for decode only: a 4-row tile is also the prefill tile
-    stream[p] = int4_panel_stream(panel + p * panel_bytes, group, groups, has_mins, /*decode=*/M <= 2, P);
+    stream[p] = int4_panel_stream(panel + p * panel_bytes, f, /*decode=*/M <= 2, P);
     nibbles[p] = stream[p].panel;
   }
   for (int i = 0; i < M * kCols; ++i) t[i] = 0.f;
@@ -170,8 +172,8 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
     }
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {
-      const auto* scales = reinterpret_cast<const float*>(stream[p].scales() + g * kNr * 4);
-      const auto* mins = reinterpret_cast<const float*>(stream[p].mins() + g * kNr * 4);
+      const uint8_t* scales = stream[p].scales(g);
+      const float* mins = stream[p].mins(g);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
 #pragma GCC unroll 2
@@ -180,7 +182,8 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
           float* ti = t + column;
           const auto* products = reinterpret_cast<const __m256i*>(acc + column);
           const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
-          __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, _mm256_loadu_ps(scales + h * 8)));
+          const __m256 scale = load_scales8(scales + h * 8 * stream[p].scale_size, f.half_scales);
+          __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, scale));
           if (has_mins) {
             const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
             v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
@@ -192,18 +195,17 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
   }
 }
 
-void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout, int64_t group,
-                    int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
+void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout,
+                    const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
   with_row_count<kMr>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, 0, group, groups, has_mins, a_group_sums, t);
+    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, 0, groups, a_group_sums, t);
   });
 }
 
 void avx2_int4_two_panel_rows(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
-                              PanelLayout, int64_t group, int64_t groups, bool has_mins, const int32_t* a_group_sums,
-                              float* t) {
+                              PanelLayout, const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
   with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value, 2>(a, a_row_stride, panel, panel_bytes, group, groups, has_mins, a_group_sums, t);
+    int4_rows<decltype(rows)::value, 2>(a, a_row_stride, panel, panel_bytes, groups, a_group_sums, t);
   });
 }
 

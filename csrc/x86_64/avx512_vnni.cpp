@@ -86,13 +86,15 @@ void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
 // acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum). The groups
 // combine in the driver's fp32 order (mul, then add: no FMA, as everywhere).
 template <int M>
-void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t group, int64_t groups, bool has_mins,
-               const int32_t* a_group_sums, float* t) {
+void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, const Int4Groups& f, const int32_t* a_group_sums,
+               float* t) {
+  const int64_t group = f.group, groups = f.groups;
+  const bool has_mins = f.has_mins;
   constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row (latency, as tile_rows)
   // The row loops are unrolled so that sum and acc stay in registers (GCC 12 kept a rolled loop's sum in memory:
   // prefill ~15% slower).
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const Int4PanelStream stream = int4_panel_stream(panel, group, groups, has_mins, /*decode=*/M <= 4, 1);
+  const Int4PanelStream stream = int4_panel_stream(panel, f, /*decode=*/M <= 4, 1);
   const uint8_t* nibbles = panel;
   __m512 sum[M];
 #pragma GCC unroll 8
@@ -121,7 +123,9 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
       step(k, nibbles, 0);
       step(k + 4, nibbles + 32, U - 1);
     }
-    const __m512 scale = _mm512_loadu_ps(stream.scales() + g * kNr * 4);
+    const __m512 scale = f.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                             stream.scales(g))))
+                                       : _mm512_loadu_ps(stream.scales(g));
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       __m512i total = acc[i][0];
@@ -131,17 +135,17 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t gro
       sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
       if (has_mins)
         sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(a_sum)),
-                                                     _mm512_loadu_ps(stream.mins() + g * kNr * 4)));
+                                                     _mm512_loadu_ps(stream.mins(g))));
     }
   }
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i) _mm512_storeu_ps(t + i * kNr, sum[i]);
 }
 
-void vnni_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout, int64_t group,
-                    int64_t groups, bool has_mins, const int32_t* a_group_sums, float* t) {
+void vnni_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout,
+                    const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
   with_row_count<kMr>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, group, groups, has_mins, a_group_sums, t);
+    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, groups, a_group_sums, t);
   });
 }
 

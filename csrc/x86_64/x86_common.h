@@ -19,7 +19,7 @@ constexpr int kX86PanelWidth = 16;
 constexpr int kX86PrefetchBytes = 8192;
 
 // An int4 panel (packed_weight.h, WeightScheme) as the x86 int4 tiles stream it from memory: the nibbles, then the
-// scales [groups][16], then with minimums those [groups][16]. The tiles prefetch into L2 one line per line they read
+// scales [groups][16] (fp32, or fp16 widened by F16C's vcvtph2ps), then with minimums those [groups][16] (fp32). The tiles prefetch into L2 one line per line they read
 // (a burst of a group's lines at its start measured slower), kX86PrefetchBytes ahead in the nibbles and as many groups
 // ahead in the scales and minimums (a second and third stream; without them every small group waits on its scales),
 // running on into the same region of the panel the tile reads next: panels lie back to back, and without that each
@@ -29,13 +29,16 @@ constexpr int kX86PrefetchBytes = 8192;
 namespace {
 struct Int4PanelStream {
   const uint8_t* panel;
-  int64_t nibble_bytes, value_bytes, panel_bytes;
+  int64_t nibble_bytes, scale_size, scale_bytes, min_bytes, panel_bytes;  // scale_size: bytes of one scale
   int64_t lead;       // groups ahead: kX86PrefetchBytes of nibbles
   int64_t next_bytes;  // past a region's end: into the same region this many bytes on (the panel this tile reads
                        // next, decode), or 0: on into this panel's next region (see int4_panel_stream)
 
-  const uint8_t* scales() const { return panel + nibble_bytes; }
-  const uint8_t* mins() const { return panel + nibble_bytes + value_bytes; }
+  // Group g's scales (channels 0-15) and minimums.
+  const uint8_t* scales(int64_t g) const { return panel + nibble_bytes + g * kX86PanelWidth * scale_size; }
+  const float* mins(int64_t g) const {
+    return reinterpret_cast<const float*>(panel + nibble_bytes + scale_bytes) + g * kX86PanelWidth;
+  }
 
   // The address `offset` bytes into the region at region_offset (region_bytes long); past its end, into the next
   // panel's (next_bytes) or on into this panel's next region.
@@ -47,10 +50,10 @@ struct Int4PanelStream {
   }
   // The line of group g + lead's scales, and of its minimums.
   const char* scales_ahead(int64_t g) const {
-    return ahead(nibble_bytes, value_bytes, (g + lead) * kX86PanelWidth * 4);
+    return ahead(nibble_bytes, scale_bytes, (g + lead) * kX86PanelWidth * scale_size);
   }
   const char* mins_ahead(int64_t g) const {
-    return ahead(nibble_bytes + value_bytes, value_bytes, (g + lead) * kX86PanelWidth * 4);
+    return ahead(nibble_bytes + scale_bytes, min_bytes, (g + lead) * kX86PanelWidth * 4);
   }
   // kX86PrefetchBytes past `nibbles` (in this panel's nibbles). 32 k of nibbles (256 bytes) never straddle the
   // region's end (it is whole groups), so one address serves their four lines.
@@ -63,13 +66,19 @@ struct Int4PanelStream {
 // panel this tile reads next: `panels` on, for a tile reading that many side by side (the panels lie back to back).
 // A tile of many rows (prefill) re-reads its panel from cache for every block of rows, and running on into the next
 // panel measured ~5-10% slower.
-Int4PanelStream int4_panel_stream(const uint8_t* panel, int64_t group, int64_t groups, bool has_mins, bool decode,
-                                  int panels) {
-  const int64_t group_nibble_bytes = group * kX86PanelWidth / 2, value_bytes = groups * kX86PanelWidth * 4;
-  const int64_t nibble_bytes = groups * group_nibble_bytes;
-  const int64_t panel_bytes = nibble_bytes + value_bytes * (has_mins ? 2 : 1);
-  return {panel, nibble_bytes, value_bytes, panel_bytes,
+Int4PanelStream int4_panel_stream(const uint8_t* panel, const Int4Groups& f, bool decode, int panels) {
+  const int64_t group_nibble_bytes = f.group * kX86PanelWidth / 2, scale_size = f.half_scales ? 2 : 4;
+  const int64_t nibble_bytes = f.groups * group_nibble_bytes, scale_bytes = f.groups * kX86PanelWidth * scale_size;
+  const int64_t min_bytes = f.has_mins ? f.groups * kX86PanelWidth * 4 : 0;
+  const int64_t panel_bytes = nibble_bytes + scale_bytes + min_bytes;
+  return {panel, nibble_bytes, scale_size, scale_bytes, min_bytes, panel_bytes,
           std::max<int64_t>(1, kX86PrefetchBytes / group_nibble_bytes), decode ? panels * panel_bytes : 0};
+}
+
+// Eight group scales from `at` as fp32: the same values either way (fp16 storage holds only fp16 values).
+inline __m256 load_scales8(const uint8_t* at, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))
+              : _mm256_loadu_ps(reinterpret_cast<const float*>(at));
 }
 }  // namespace
 

@@ -295,7 +295,7 @@ def register() -> None:
         return hidden.new_empty(hidden.shape)
 
     @register_fake("w8a8_cpu::pack_weight_int4")
-    def _pack_weight_int4(q, scale, minimum=None, group_size=0):
+    def _pack_weight_int4(q, scale, minimum=None, group_size=0, half_scales=False):
         _check_same_device(q, scale=scale, minimum=minimum)
         if q.dtype != torch.int8:
             raise ValueError(f"q: dtype must be int8 holding int4 values in [-8, 7] ([N, K]), got {q.dtype}")
@@ -310,7 +310,8 @@ def register() -> None:
         for t, arg in ((scale, "scale"), (minimum, "minimum")):
             if t is not None and (t.dtype != torch.float32 or list(t.shape) != [n, groups]):
                 raise ValueError(f"{arg}: expected float32 [{n}, {groups}], got {t.dtype} {list(t.shape)}")
-        return q.new_empty((packed_weight_nbytes(n, k, group_size, minimum is not None),), dtype=torch.uint8)
+        return q.new_empty((packed_weight_nbytes(n, k, group_size, minimum is not None, half_scales),),
+                           dtype=torch.uint8)
 
     @register_fake("w8a8_cpu::rms_norm")
     def _rms_norm(x, weight, eps):

@@ -38,6 +38,16 @@ def header_format(blob) -> Tuple[int, int]:
     return scheme, (1 << group_log2) if group_log2 else 0
 
 
+def header_half_scales(blob) -> bool:
+    """Whether a verified int4 blob stores its group scales as fp16 (the header's scale storage, ScaleStorage)."""
+    return int(blob[10]) == 1
+
+
+def scale_bytes(half_scales: bool) -> int:
+    """Bytes of one stored group scale (csrc/common/packed_weight.h, scale_bytes)."""
+    return 2 if half_scales else 4
+
+
 def panel_layout() -> Tuple[int, int]:
     """(panel width NR, panel depth KR) of the variant active in this thread: the layout pack_weight writes."""
     info = json.loads(ops._info())
@@ -49,25 +59,25 @@ def int8_blob_nbytes(n_padded: int, k_padded: int) -> int:
     return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
 
 
-def int4_panels(raw) -> Tuple[torch.Tensor, int, int, int]:
-    """(body uint8 [panels, panel bytes], nibble bytes of a panel, groups, fp32 values per group and channel) of a
-    verified int4 blob: each panel's nibbles, then its scales [groups][nr] (and minimums): pack_weight_int4's layout
-    (csrc/common/packed_weight.h, WeightScheme)."""
+def int4_panels(raw) -> Tuple[torch.Tensor, int, int]:
+    """(body uint8 [panels, panel bytes], nibble bytes of a panel, groups) of a verified int4 blob: each panel's
+    nibbles, then its scales [groups][nr] (fp32, or fp16: header_half_scales) and minimums [groups][nr] (fp32):
+    pack_weight_int4's layout (csrc/common/packed_weight.h, WeightScheme)."""
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     scheme, group = header_format(raw)
     groups = k_padded // (group or k_padded)
-    values = 2 if scheme == 2 else 1
     nibble_bytes = k_padded * nr // 2
-    panel_bytes = nibble_bytes + groups * nr * 4 * values
+    panel_bytes = nibble_bytes + groups * nr * (scale_bytes(header_half_scales(raw)) + (4 if scheme == 2 else 0))
     body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
-    return body, nibble_bytes, groups, values
+    return body, nibble_bytes, groups
 
 
-def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_mins: bool = False) -> int:
+def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_mins: bool = False,
+                        half_scales: bool = False) -> int:
     """Bytes of pack_weight's blob for an int8 [n, k] weight in the active variant's layout: the header, the int8
     panels (N and K padded to whole panels) and one int32 channel sum per padded channel; with int4_group (0: per
     channel, else the group size), pack_weight_int4's: the header and the int4 panels (K padded to whole groups, or
-    to 32 per channel), each with its fp32 group scales (and minimums)."""
+    to 32 per channel), each with its group scales (fp16 with half_scales, else fp32) and fp32 minimums."""
     nr, kr = panel_layout()
     n_padded = (n + nr - 1) // nr * nr
     if int4_group is None:
@@ -75,4 +85,5 @@ def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_
     step = int4_group or 32
     k_padded = (k + step - 1) // step * step
     groups = k_padded // (int4_group or k_padded)
-    return HEADER_BYTES + n_padded * k_padded // 2 + n_padded * groups * 4 * (2 if int4_mins else 1)
+    return HEADER_BYTES + n_padded * k_padded // 2 + n_padded * groups * (scale_bytes(half_scales) +
+                                                                         (4 if int4_mins else 0))

@@ -329,18 +329,31 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
   }
   // Decode-sized blocks of rows (int4_two_panel_rows where the variant has it; 77 columns are two pairs of panels and
   // one more) give the same bits as the rows in one block: each row alone and the rows two at a time, with minimums
-  // (this blob) and symmetric (the same values packed without them).
-  const WeightFormat symmetric_format{WeightScheme::int4, group_log2};
-  std::vector<uint8_t> symmetric_blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w", symmetric_format));
-  pack_weight_int4(kern, q.data(), s.n, s.k, s.k, scales.data(), nullptr, symmetric_format, symmetric_blob.data(),
-                   serial_for);
-  const PackedWeightView symmetric = view_packed_weight(symmetric_blob.data(), symmetric_blob.size(), "w");
-  int64_t row_mismatches = 0;
-  std::vector<float> block_out(s.m * s.n), rows_out(kTwoPanelMaxRows * s.n);
-  for (const PackedWeightView* w : {&view, &symmetric}) {
+  // (this blob) and symmetric (the same values packed without them). The same values with the scales stored as fp16
+  // (every scale here is an fp16 value) give the fp32-stored blob's bits.
+  std::vector<std::vector<uint8_t>> blobs;
+  std::vector<PackedWeightView> views;
+  for (const WeightScheme scheme : {WeightScheme::int4_min, WeightScheme::int4})
+    for (const ScaleStorage storage : {ScaleStorage::f32, ScaleStorage::f16}) {
+      const WeightFormat f{scheme, group_log2, storage};
+      blobs.emplace_back(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w", f));
+      pack_weight_int4(kern, q.data(), s.n, s.k, s.k, scales.data(),
+                       scheme == WeightScheme::int4_min ? mins.data() : nullptr, f, blobs.back().data(), serial_for);
+    }
+  for (const auto& b : blobs) views.push_back(view_packed_weight(b.data(), b.size(), "w"));
+  CHECK(blobs[1].size() < blobs[0].size() && blobs[3].size() < blobs[2].size(), "%s: fp16 scales did not shrink the blob",
+        kern.name);
+  int64_t row_mismatches = 0, storage_mismatches = 0;
+  std::vector<float> block_out(s.m * s.n), rows_out(kTwoPanelMaxRows * s.n), f32_out(s.m * s.n);
+  for (size_t b = 0; b < views.size(); ++b) {
+    const PackedWeightView* w = &views[b];
     linear(kern, x.data(), FloatKind::f32, s.m, s.k, nullptr, *w,
            {nullptr, w_scale.data(), nullptr, block_out.data(), FloatKind::f32, s.n}, a_scales.data(), scratch.data(),
            serial_for);
+    if (w->format.scales == ScaleStorage::f32)
+      f32_out = block_out;
+    else
+      storage_mismatches += std::memcmp(f32_out.data(), block_out.data(), s.m * s.n * 4) != 0;
     for (int64_t rows = 1; rows <= kTwoPanelMaxRows; ++rows)
       for (int64_t i = 0; i + rows <= s.m; i += rows) {
         linear(kern, x.data() + i * s.k, FloatKind::f32, rows, s.k, nullptr, *w,
@@ -351,6 +364,8 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
   }
   CHECK(row_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " blocks of 1-%d rows differ when computed alone",
         kern.name, row_mismatches, kTwoPanelMaxRows);
+  CHECK(storage_mismatches == 0, "%s: int4 shared vectors: %" PRId64 " blobs with fp16-stored scales differ from fp32",
+        kern.name, storage_mismatches);
   const uint64_t got = fnv1a_float(out);
   CHECK(mismatches == 0, "%s: int4 shared vectors: %" PRId64 " outputs differ from the scalar implementation",
         kern.name, mismatches);
@@ -668,6 +683,44 @@ void test_packed_weight_rejections(const MicroKernel& kern) {
   put_field<uint32_t>(b.data(), offsetof(PackedWeightHeader, version), 2);
   reseal(b.data(), nbytes);
   expect("version 2", b, "re-pack");
+  b = good;  // a version 4 blob: its uint32 version 4 spans what version 5 reads as version, scale storage, reserved
+  put_field<uint32_t>(b.data(), offsetof(PackedWeightHeader, version), 4);
+  reseal(b.data(), nbytes);
+  expect("version 4", b, "version 4 is not supported");
+  for (const size_t field : {offsetof(PackedWeightHeader, scale_storage), offsetof(PackedWeightHeader, reserved)}) {
+    b = good;  // int8 blobs have no scale storage; reserved stays 0
+    b[field] = 1;
+    reseal(b.data(), nbytes);
+    expect("scale storage / reserved", b, "packed weight header");
+  }
+  {
+    // int4: fp16 storage takes only fp16 values; an fp16 blob relabelled fp32 (or 2) no longer matches its size
+    const WeightFormat f16{WeightScheme::int4, 5, ScaleStorage::f16};
+    const int64_t groups = (k + 31) / 32, bytes16 = packed_weight_nbytes(n, k, layout, "w", f16);
+    std::vector<int8_t> q(n * k, 3);
+    std::vector<float> scales(n * groups, 0.5f);
+    std::vector<uint8_t> b16(bytes16);
+    pack_weight_int4(kern, q.data(), n, k, k, scales.data(), nullptr, f16, b16.data(), serial_for);
+    CHECK(bytes16 == packed_weight_nbytes(n, k, layout, "w", WeightFormat{WeightScheme::int4, 5}) - 2 *
+                         round_up(n, layout.nr) * groups,
+          "%s: fp16 scales: %" PRId64 " bytes", kern.name, bytes16);
+    for (const uint8_t storage : {0, 2}) {
+      std::vector<uint8_t> r = b16;
+      r[offsetof(PackedWeightHeader, scale_storage)] = storage;
+      reseal(r.data(), bytes16);
+      CHECK(rejection(kern, r.data(), bytes16, n, k).find("packed weight header") != std::string::npos,
+            "%s: fp16 blob relabelled scale storage %d accepted", kern.name, int{storage});
+    }
+    scales[5] = 0.1f;  // not an fp16 value
+    std::string why;
+    try {
+      pack_weight_int4(kern, q.data(), n, k, k, scales.data(), nullptr, f16, b16.data(), serial_for);
+    } catch (const std::invalid_argument& e) {
+      why = e.what();
+    }
+    CHECK(why.find("scale: fp16 storage holds only fp16 values; row 1, group 2") == 0, "%s: 0.1 as fp16: got '%s'",
+          kern.name, why.c_str());
+  }
   if (kern.reads_any_layout) {
     const int64_t k20 = 20;
     std::vector<uint8_t> b20(packed_weight_nbytes(16, k20, layout, "w"));

@@ -18,7 +18,8 @@ and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). T
 torch.sum over a 256 MiB float32 tensor: best of a few before and after the cases (printed), and in every decode
 case one more candidate of the interleaved rounds, so decode efficiency = w8a8_cpu weight bytes per second / the
 read bandwidth of the same rounds (both medians), which the load of other jobs on the memory bus hits alike; W4A8's
-decode efficiency counts its own bytes (nibbles and group scales).
+decode efficiency counts its own bytes (nibbles and group scales, fp16-stored: quantize_weight_int4's scales are fp16
+values).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import torch
 
 import w8a8_cpu
 
+from .._packed_weight import header_half_scales, scale_bytes
 from .baselines import ao_dynamic
 from .options import output_file, positive_int
 from .timing import Progress, interleaved, medians
@@ -174,7 +176,8 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
     w_bf16 = w.to(torch.bfloat16)
     weight_bytes = {OURS: n * k + 4 * n, FP32: 4 * n * k, BF16: 2 * n * k, AO: n * k + 4 * n, WO: n * k + 2 * n,
                     ORT_RR: n * k + 4 * n, ORT: n * k + 4 * n,
-                    W4A8: n * k // 2 + 4 * n * -(-k // w4a8_group) + 4 * n}
+                    W4A8: n * k // 2 + scale_bytes(header_half_scales(int4.weight_packed)) * n * -(-k // w4a8_group) +
+                    4 * n}
     weight_bytes.update({STACK: weight_bytes[OURS], W4A8_STACK: weight_bytes[W4A8]})
     copies = max(2, -(-(stack_mib << 20) // (n * k))) if stack_mib else 1
     stacks = {STACK: [ours] + [copy.deepcopy(ours) for _ in range(copies - 1)],
@@ -422,8 +425,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=positive_int, default=None, help="timed interleaved repetitions (default 10, quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per candidate first (default 2, --quick 1)")
     parser.add_argument("--w4a8-group-size", type=int, choices=W4A8_GROUPS, default=W4A8_GROUPS[0],
-                        help="the W4A8 candidate's group along K (default 32: 0.625 weight bytes per weight of W8A8's "
-                        "1 with its fp32 scales; 128: 0.53)")
+                        help="the W4A8 candidate's group along K (default 32: 0.5625 weight bytes per weight of W8A8's "
+                        "1 with its fp16-stored scales; 128: 0.52)")
     parser.add_argument("--no-moe", action="store_true", help="skip the fused MoE cases")
     parser.add_argument("--no-linear", action="store_true", help="skip the linear cases")
     parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")

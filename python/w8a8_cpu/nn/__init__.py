@@ -114,6 +114,10 @@ class W8A8Linear(_Fp32Scales):
         blob = state_dict.get(prefix + "weight_packed")
         if isinstance(blob, torch.Tensor):  # (a missing one is load_state_dict's to report)
             self._check_blob(blob, prefix + "weight_packed")
+            if blob.numel() != self.weight_packed.numel():
+                # the same weight description (checked), its int4 scales stored in the other width (fp16 or fp32:
+                # pack_weight_int4's half_scales): load_state_dict copies into a buffer of the incoming size
+                self.weight_packed = self.weight_packed.new_empty(blob.shape)
         if self.input_scale is not None:  # a static scale loaded into a built layer: checked as at construction
             check_static_activation_params(state_dict.get(prefix + "input_scale", self.input_scale),
                                            state_dict.get(prefix + "input_zero_point", self.input_zero_point),

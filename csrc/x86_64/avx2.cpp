@@ -116,25 +116,25 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
     stream[p] = int4_panel_stream(panel + p * panel_bytes, f, /*decode=*/M <= 2, P);
     nibbles[p] = stream[p].panel;
   }
-  for (int i = 0; i < M * kCols; ++i) t[i] = 0.f;
+  // t in registers across the groups where they fit beside the chunk's pair sums and nibbles (decode rows), else in
+  // memory (L1)
+  constexpr bool kSumsInRegisters = M * 2 * P <= 4;
+  __m256 sums[M][2 * P];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+    for (int h = 0; h < 2 * P; ++h) sums[i][h] = _mm256_setzero_ps();
+  if constexpr (!kSumsInRegisters)
+    for (int i = 0; i < M * kCols; ++i) t[i] = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {
       _mm_prefetch(stream[p].scales_ahead(g), _MM_HINT_T1);
       if (has_mins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
     }
-    // The group's int32 products, in memory (L1) between its 32-k chunks: with the pair sums in registers as well,
-    // 16 ymm are too few at 4 rows (GCC spilled inside the chunk).
-    alignas(32) int32_t acc[M * kCols];
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
-#pragma GCC unroll 4
-      for (int h = 0; h < 2 * P; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kCols + h * 8), start);
-    }
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+    // The pair sums of one 32-k chunk (8 steps of 4 k) into pairs, the nibble pointers moved past it.
+    auto chunk = [&](int64_t k0, __m256i (&pairs)[M][2 * P]) {
       const char* ahead[P];
-      __m256i pairs[M][2 * P];
 #pragma GCC unroll 2
       for (int p = 0; p < P; ++p) ahead[p] = stream[p].nibbles_ahead(nibbles[p]);
 #pragma GCC unroll 8
@@ -160,6 +160,49 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
           for (int h = 0; h < 2 * P; ++h) pairs[i][h] = add_in_order(pairs[i][h], _mm256_maddubs_epi16(u[h], av));
         }
       }
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) nibbles[p] += 256;
+    };
+    // t += the exact group products (8 channels: row i, panel p, half h) times their scales (+ sum a times minimums)
+    auto combine = [&](int i, int p, int h, __m256i products) {
+      float* ti = t + i * kCols + p * kNr + h * 8;
+      const __m256 scale = load_scales8(stream[p].scales(g) + h * 8 * stream[p].scale_size, f.half_scales);
+      __m256 v = _mm256_add_ps(kSumsInRegisters ? sums[i][p * 2 + h] : _mm256_loadu_ps(ti),
+                               _mm256_mul_ps(_mm256_cvtepi32_ps(products), scale));
+      if (has_mins) {
+        const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
+        v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(stream[p].mins(g) + h * 8)));
+      }
+      if constexpr (kSumsInRegisters)
+        sums[i][p * 2 + h] = v;
+      else
+        _mm256_storeu_ps(ti, v);
+    };
+    if (group == 32) {
+      // one chunk: the products straight from its pair sums (registers), no accumulator in memory (decode: ~1/3 of
+      // the group's instructions outside the chunk loop were that accumulator's stores and loads)
+      __m256i pairs[M][2 * P];
+      chunk(g * group, pairs);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
+#pragma GCC unroll 4
+        for (int h = 0; h < 2 * P; ++h) combine(i, h / 2, h % 2, _mm256_add_epi32(start, _mm256_madd_epi16(pairs[i][h], ones)));
+      }
+      continue;
+    }
+    // Longer groups: the products in memory (L1) between their 32-k chunks: with the pair sums in registers as well,
+    // 16 ymm are too few at 4 rows (GCC spilled inside the chunk).
+    alignas(32) int32_t acc[M * kCols];
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
+#pragma GCC unroll 4
+      for (int h = 0; h < 2 * P; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kCols + h * 8), start);
+    }
+    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+      __m256i pairs[M][2 * P];
+      chunk(k0, pairs);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i)
 #pragma GCC unroll 4
@@ -167,32 +210,18 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
           auto* row = reinterpret_cast<__m256i*>(acc + i * kCols + h * 8);
           _mm256_store_si256(row, _mm256_add_epi32(_mm256_load_si256(row), _mm256_madd_epi16(pairs[i][h], ones)));
         }
-#pragma GCC unroll 2
-      for (int p = 0; p < P; ++p) nibbles[p] += 256;
     }
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) {
-      const uint8_t* scales = stream[p].scales(g);
-      const float* mins = stream[p].mins(g);
 #pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) {
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          const int64_t column = i * kCols + p * kNr + h * 8;
-          float* ti = t + column;
-          const auto* products = reinterpret_cast<const __m256i*>(acc + column);
-          const __m256 exact = _mm256_cvtepi32_ps(_mm256_load_si256(products));
-          const __m256 scale = load_scales8(scales + h * 8 * stream[p].scale_size, f.half_scales);
-          __m256 v = _mm256_add_ps(_mm256_loadu_ps(ti), _mm256_mul_ps(exact, scale));
-          if (has_mins) {
-            const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
-            v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins + h * 8)));
-          }
-          _mm256_storeu_ps(ti, v);
-        }
-      }
-    }
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+      for (int h = 0; h < 2 * P; ++h)
+        combine(i, h / 2, h % 2, _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + i * kCols + h * 8)));
   }
+  if constexpr (kSumsInRegisters)
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+      for (int h = 0; h < 2 * P; ++h) _mm256_storeu_ps(t + i * kCols + h * 8, sums[i][h]);
 }
 
 void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout,

@@ -467,23 +467,19 @@ def _finite_range_scale(scale: torch.Tensor) -> torch.Tensor:
     return _fp16_step(scale.clamp_min(1e-10))
 
 
-# fp16's normal range: a step inside it is stored in fp16 with a relative change <= 2^-10 (below it fp16 keeps fewer
+# fp16's normal range: a step inside it is stored in fp16 with a relative change <= 2^-11 (below it fp16 keeps fewer
 # bits, so such a step stays fp32, and so does its layer's blob)
 FP16_NORMAL = (2.0 ** -14, 65504.0)
 
 
-def _fp16_step(scale: torch.Tensor, up: bool = True) -> torch.Tensor:
-    """An int4 grid's steps (fp32), each an fp16 value where it lies in fp16's normal range: a layer whose steps all are
-    packs them as fp16 (pack_weight_int4's half_scales: the same values in half the bytes, ~10% fewer bytes per
-    decoded token in groups of 32). up: the next fp16 value at or above (a grid still spans its group's range, so no
-    weight is clipped that the fp32 step kept); else the nearest (a least-squares step). Either moves a step by at most
-    2^-10 of itself, far inside int4's own rounding (+-1/2 step per weight)."""
+def _fp16_step(scale: torch.Tensor) -> torch.Tensor:
+    """An int4 grid's steps (fp32), each rounded to the nearest fp16 value where it lies in fp16's normal range: a layer
+    whose steps all are fp16 values packs them as fp16 (pack_weight_int4's half_scales: the same values in half the
+    bytes, ~10% fewer bytes per decoded token in groups of 32). A step moves by at most 2^-11 of itself, far inside
+    int4's own rounding (+-1/2 step per weight); the nearest, not the next one up, keeps a grid that already is one of
+    fp16 steps (llama.cpp's Q4 blocks, which SmolLM2's weights came from) exactly where it is."""
     normal = (scale >= FP16_NORMAL[0]) & (scale <= FP16_NORMAL[1])
-    half = scale.to(torch.float16)
-    if up:  # positive normal fp16 values: the next one up is the next bit pattern
-        below = half.to(scale.dtype) < scale
-        half = torch.where(below, (half.view(torch.int16) + 1).view(torch.float16), half)
-    return torch.where(normal, half.to(scale.dtype), scale)
+    return torch.where(normal, scale.to(torch.float16).to(scale.dtype), scale)
 
 
 class _Int4Grid(NamedTuple):
@@ -642,7 +638,7 @@ def _refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, grid: "_Int
         old = scale[begin:stop].to(torch.float64)
         new = torch.linalg.solve(normal + torch.diag_embed(ridge.expand(r, groups)),
                                  (right + ridge * old).unsqueeze(-1)).squeeze(-1)
-        new = _fp16_step(new.to(torch.float32), up=False).to(torch.float64)  # stored as the grids' steps are
+        new = _fp16_step(new.to(torch.float32)).to(torch.float64)  # stored as the grids' steps are
 
         def error(s):  # (t - c s) H (t - c s)^T, expanded
             return energy - 2 * (s * right).sum(-1) + (s * (normal @ s.unsqueeze(-1)).squeeze(-1)).sum(-1)
@@ -666,8 +662,8 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     min_max (llama.cpp Q4_1's rule): scale = (max - min) / 15 over the group as it is, u = clamp(round((w - min) /
     scale), 0, 15), minimum min + 8 * scale: a finer grid when a group's values sit away from 0, but 0 is not on it
     (a row with one outlier turns its small weights into a bias: MiniLM per channel loses its embeddings). Each scale
-    is rounded up to an fp16 value where it lies in fp16's normal range (2^-14 .. 65504; it grows by at most 2^-10
-    of itself), so pack_weight_int4 stores the scales in 2 bytes, not 4 (llama.cpp's Q4 blocks hold theirs so).
+    is rounded to the nearest fp16 value where it lies in fp16's normal range (2^-14 .. 65504; it moves by at most
+    2^-11 of itself), so pack_weight_int4 stores the scales in 2 bytes, not 4 (llama.cpp's Q4 blocks hold theirs so).
 
     hessian None: round-to-nearest. hessian [K, K] (the layer inputs' sum of x x^T over calibration rows x; any
     positive multiple gives the same result): GPTQ, which minimizes the layer's output error on those inputs instead

@@ -6,7 +6,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import _functions, reference
-from w8a8_cpu._functions import _Int4Grid
+from w8a8_cpu._functions import _fp16_step, _Int4Grid
 from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
@@ -98,7 +98,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
             return (s * codes + grid.origin - padded[:, g]).double().square().mul(
                 importance[g] if weights is None else weights[g]).sum(1)
 
-        grid_scale = torch.cat([grid.scale for grid in grids], 1)
+        grid_scale = _fp16_step(torch.cat([grid.scale for grid in grids], 1))  # stored as fp16 values
         counted = importance * (torch.arange(k_padded) < 100).view(-1, group)  # the padding is never computed with
         fitted = torch.cat([(codes * (padded[:, g] - grid.origin) * counted[g]).sum(1, keepdim=True)
                             / (codes.square() * counted[g]).sum(1, keepdim=True)
@@ -109,9 +109,11 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
         assert torch.equal(scale.half().float(), scale)
         torch.testing.assert_close(scale[refitted], fitted[refitted], rtol=2 ** -10, atol=0)
         assert torch.equal(scale[~refitted], grid_scale[~refitted])
-        before = sum(error(g, grid.scale, grid, counted) for g, grid in enumerate(grids))
+        before = sum(error(g, grid_scale[:, g:g + 1], grid, counted) for g, grid in enumerate(grids))
         after = sum(error(g, scale[:, g:g + 1], grid, counted) for g, grid in enumerate(grids))
-        assert (after <= before).all() and (after[refitted] < before[refitted]).all(), (form, group_size)
+        # (the refit compares fp32 steps; rounded to fp16 after, a near tie may cost up to that rounding)
+        assert (after <= before * (1 + 2 ** -10)).all() and (after[refitted] < before[refitted]).all(), \
+            (form, group_size)
         torch.testing.assert_close(minimum if minimum is not None else torch.zeros_like(scale),
                                    torch.cat([grid.origin for grid in grids], 1) - torch.cat(
                                        [grid.shift for grid in grids], 1) * scale)

@@ -464,7 +464,7 @@ def _finite_range_scale(scale: torch.Tensor) -> torch.Tensor:
     if not bool(torch.isfinite(scale).all()):
         raise ValueError("w: a group's range (max - min) overflows float32; scale the weight down or quantize it "
                          "symmetrically")
-    return _fp16_step(scale.clamp_min(1e-10))
+    return scale.clamp_min(1e-10)
 
 
 # fp16's normal range: a step inside it is stored in fp16 with a relative change <= 2^-11 (below it fp16 keeps fewer
@@ -475,9 +475,9 @@ FP16_NORMAL = (2.0 ** -14, 65504.0)
 def _fp16_step(scale: torch.Tensor) -> torch.Tensor:
     """An int4 grid's steps (fp32), each rounded to the nearest fp16 value where it lies in fp16's normal range: a layer
     whose steps all are fp16 values packs them as fp16 (pack_weight_int4's half_scales: the same values in half the
-    bytes, ~10% fewer bytes per decoded token in groups of 32). A step moves by at most 2^-11 of itself, far inside
-    int4's own rounding (+-1/2 step per weight); the nearest, not the next one up, keeps a grid that already is one of
-    fp16 steps (llama.cpp's Q4 blocks, which SmolLM2's weights came from) exactly where it is."""
+    bytes, ~10% fewer bytes per decoded token in groups of 32). A step moves by at most 2^-11 of itself, a weight by
+    at most 8 * 2^-12 steps, far inside int4's own rounding (+-1/2 step); the nearest, not the next one up, keeps a
+    grid that already is one of fp16 steps (llama.cpp's Q4 blocks, which SmolLM2's weights came from) where it is."""
     normal = (scale >= FP16_NORMAL[0]) & (scale <= FP16_NORMAL[1])
     return torch.where(normal, scale.to(torch.float16).to(scale.dtype), scale)
 
@@ -496,7 +496,7 @@ class _Int4Grid(NamedTuple):
         """The grid of each group of `grouped` [..., group] (fields [..., 1], or [...] without keepdim); see
         quantize_weight_int4."""
         if symmetric:
-            scale = _fp16_step((grouped.abs().amax(dim=-1, keepdim=keepdim) / 7.5).clamp_min(1e-10))
+            scale = (grouped.abs().amax(dim=-1, keepdim=keepdim) / 7.5).clamp_min(1e-10)
             return cls(scale, torch.zeros_like(scale), torch.zeros_like(scale))
         if min_max:
             low = grouped.amin(dim=-1, keepdim=keepdim)
@@ -542,7 +542,7 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     spread over the columns not yet rounded through the upper Cholesky factor of H^-1, in blocks of >= 128 columns
     (lazy batch updates). Each group's grid is fixed when its first column comes, from the error-updated weights;
     the scales are refitted to the codes at the end (_refit_scales).
-    -> (q [N, K_padded] float in [-8, 7], scale [N, groups], minimum [N, groups])."""
+    -> (q [N, K_padded] float in [-8, 7], the groups' grids, fields [N, groups])."""
     n, k_padded = w.shape
     k = hessian.shape[0]
     h = torch.eye(k_padded, dtype=torch.float64)  # padded columns: no cross terms, they stay 0 and take no error
@@ -588,8 +588,7 @@ def _gptq_int4(w: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bo
     del t, u
     grid = _Int4Grid(*(torch.stack(field, dim=1) for field in zip(*grids)))
     q = q.T.contiguous()
-    grid = grid._replace(scale=_refit_scales(w, h, q, grid, group, k))
-    return q, grid.scale, grid.minimum()
+    return q, grid._replace(scale=_refit_scales(w, h, q, grid, group, k))
 
 
 # Rows of _refit_scales at once: their slices of the weights, codes, products and normal equations stay within ~256 MiB
@@ -638,7 +637,6 @@ def _refit_scales(w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, grid: "_Int
         old = scale[begin:stop].to(torch.float64)
         new = torch.linalg.solve(normal + torch.diag_embed(ridge.expand(r, groups)),
                                  (right + ridge * old).unsqueeze(-1)).squeeze(-1)
-        new = _fp16_step(new.to(torch.float32)).to(torch.float64)  # stored as the grids' steps are
 
         def error(s):  # (t - c s) H (t - c s)^T, expanded
             return energy - 2 * (s * right).sum(-1) + (s * (normal @ s.unsqueeze(-1)).squeeze(-1)).sum(-1)
@@ -662,8 +660,9 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     min_max (llama.cpp Q4_1's rule): scale = (max - min) / 15 over the group as it is, u = clamp(round((w - min) /
     scale), 0, 15), minimum min + 8 * scale: a finer grid when a group's values sit away from 0, but 0 is not on it
     (a row with one outlier turns its small weights into a bias: MiniLM per channel loses its embeddings). Each scale
-    is rounded to the nearest fp16 value where it lies in fp16's normal range (2^-14 .. 65504; it moves by at most
-    2^-11 of itself), so pack_weight_int4 stores the scales in 2 bytes, not 4 (llama.cpp's Q4 blocks hold theirs so).
+    is then rounded to the nearest fp16 value where it lies in fp16's normal range (2^-14 .. 65504; it moves by at most
+    2^-11 of itself; the minimum follows it), so pack_weight_int4 stores the scales in 2 bytes, not 4 (llama.cpp's Q4
+    blocks hold theirs so).
 
     hessian None: round-to-nearest. hessian [K, K] (the layer inputs' sum of x x^T over calibration rows x; any
     positive multiple gives the same result): GPTQ, which minimizes the layer's output error on those inputs instead
@@ -690,7 +689,7 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     if hessian is None:
         grid = _Int4Grid.of(padded.view(n, k_padded // group, group), symmetric, min_max)
         q = grid.quantize(padded.view(n, k_padded // group, group))
-        scale, minimum = grid.scale.squeeze(-1), grid.minimum().squeeze(-1)
+        grid = _Int4Grid(*(field.squeeze(-1) for field in grid))
     else:
         if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point() or hessian.shape != (k, k):
             raise ValueError(f"hessian: expected a floating-point [{k}, {k}] tensor (K of w), got "
@@ -700,6 +699,10 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
             raise ValueError("hessian: contains NaN or Inf")
         if not (isinstance(damping, (int, float)) and 0 < damping < float("inf")):
             raise ValueError(f"damping: expected a positive number, got {damping!r}")
-        q, scale, minimum = _gptq_int4(padded, h64, group, symmetric, min_max, float(damping))
+        q, grid = _gptq_int4(padded, h64, group, symmetric, min_max, float(damping))
+    # the codes are chosen on the fp32 steps; the steps stored as fp16 values after (rounding them before moved
+    # GPTQ's codes: MiniLM's zero-point row 0.9802 -> 0.9798), the minimums following them (a zero point stays one)
+    grid = grid._replace(scale=_fp16_step(grid.scale))
+    scale, minimum = grid.scale, grid.minimum()
     q = q.reshape(n, k_padded)[:, :k].to(torch.int8).contiguous()
     return q, scale.contiguous(), None if symmetric else minimum.contiguous()

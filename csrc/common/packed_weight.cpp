@@ -149,7 +149,7 @@ bool packed_weight_sizes(int64_t n, int64_t k, PanelLayout layout, WeightFormat 
   const int64_t n_padded = round_up(n, layout.nr), k_padded = round_up(k, group_step);
   const int64_t group = int4 && format.group_log2 ? group_step : k_padded, groups = k_padded / group;
   // bytes per group and channel: a scale, and with int4_min an fp32 minimum
-  const int64_t scale_size = int4 ? scale_bytes(format.scales) : 0;
+  const int64_t scale_size = int4 ? int4_scale_bytes(format.scales == ScaleStorage::f16) : 0;
   const int64_t value_size = scale_size + (format.scheme == WeightScheme::int4_min ? 4 : 0);
   int64_t elements, nibble_bytes, panel_scale_bytes, value_bytes, panel_bytes, body, col_sums_offset, sum_bytes, nbytes;
   if (__builtin_mul_overflow(k_padded, static_cast<int64_t>(layout.nr), &elements) ||
@@ -282,7 +282,7 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
         }
         for (int64_t g = 0; g < sizes.groups; ++g) {  // [groups][nr] per panel; padded channels 0
           const float scale = row < n ? scales[row * sizes.groups + g] : 0.f;
-          uint8_t* scale_at = panel + sizes.nibble_bytes + (g * nr + j) * (half ? 2 : 4);
+          uint8_t* scale_at = panel + sizes.nibble_bytes + (g * nr + j) * int4_scale_bytes(half);
           if (half) {
             const uint16_t bits = float_to_f16_bits(scale);
             std::memcpy(scale_at, &bits, 2);
@@ -338,7 +338,7 @@ PackedWeightView view_packed_weight(const uint8_t* blob, int64_t nbytes, const c
     throw std::invalid_argument(name + ": packed weight header is inconsistent with its size: it describes " +
                                 std::to_string(sizes.nbytes) + " bytes, the tensor has " + std::to_string(nbytes) +
                                 " (corrupted or truncated blob)");
-  return {h,      layout, format, sizes.group, sizes.groups, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h),
+  return {h, layout, format, sizes.group, sizes.groups, blob, nbytes, reinterpret_cast<const int8_t*>(blob + sizeof h),
           sizes.panel_bytes, sizes.nibble_bytes, sizes.scale_bytes, blob + sizes.col_sums_offset};
 }
 
@@ -378,8 +378,9 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
     if (w.int4()) {  // scales and minimums are weight-side values: finite (the ops' rule), 0 in padded channels
       const int64_t per_kind = w.groups * nr, values = per_kind * (w.has_mins() ? 2 : 1);
       const auto* scales = reinterpret_cast<const uint8_t*>(panel + w.nibble_bytes);
+      const bool half_scales = w.int4_groups().half_scales;
       for (int64_t v = 0; v < values; ++v) {
-        const float value = v < per_kind ? load_group_scale(scales, w.int4_groups().half_scales, v)
+        const float value = v < per_kind ? load_group_scale(scales, half_scales, v)
                                          : load_group_scale(scales + w.scale_bytes, false, v - per_kind);
         const int64_t channel = p * nr + v % nr;
         if (!std::isfinite(value) || (channel >= h.n && value != 0.f))

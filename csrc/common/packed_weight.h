@@ -67,12 +67,7 @@ struct WeightFormat {
   WeightScheme scheme = WeightScheme::int8;
   int group_log2 = 0;
   ScaleStorage scales = ScaleStorage::f32;  // int4 only
-  bool operator==(const WeightFormat& o) const {
-    return scheme == o.scheme && group_log2 == o.group_log2 && scales == o.scales;
-  }
 };
-// Bytes of one stored group scale.
-inline int64_t scale_bytes(ScaleStorage s) { return s == ScaleStorage::f16 ? 2 : 4; }
 
 struct PackedWeightView {
   PackedWeightHeader header;  // a copy: the blob may start at any byte address

@@ -187,7 +187,8 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
       for (int i = 0; i < M; ++i) {
         const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
 #pragma GCC unroll 4
-        for (int h = 0; h < 2 * P; ++h) combine(i, h / 2, h % 2, _mm256_add_epi32(start, _mm256_madd_epi16(pairs[i][h], ones)));
+        for (int h = 0; h < 2 * P; ++h)
+          combine(i, h / 2, h % 2, _mm256_add_epi32(start, _mm256_madd_epi16(pairs[i][h], ones)));
       }
       continue;
     }

@@ -19,13 +19,14 @@ constexpr int kX86PanelWidth = 16;
 constexpr int kX86PrefetchBytes = 8192;
 
 // An int4 panel (packed_weight.h, WeightScheme) as the x86 int4 tiles stream it from memory: the nibbles, then the
-// scales [groups][16] (fp32, or fp16 widened by F16C's vcvtph2ps), then with minimums those [groups][16] (fp32). The tiles prefetch into L2 one line per line they read
-// (a burst of a group's lines at its start measured slower), kX86PrefetchBytes ahead in the nibbles and as many groups
-// ahead in the scales and minimums (a second and third stream; without them every small group waits on its scales),
-// running on into the same region of the panel the tile reads next: panels lie back to back, and without that each
-// panel started on demand misses (decode M = 1 g32: 4096x4096 at ~1.0x W8A8's time, not ~0.8x).
-// The methods return addresses and the tiles issue the prefetches: GCC (12) deletes a call to a function whose only
-// effect is a prefetch. In an unnamed namespace, as `static` elsewhere: each ISA-flagged TU keeps its own copy.
+// scales [groups][16] (fp32, or fp16 widened by F16C's vcvtph2ps), then with minimums those [groups][16] (fp32). The
+// tiles prefetch into L2 one line per line they read (a burst of a group's lines at its start measured slower),
+// kX86PrefetchBytes ahead in the nibbles and as many groups ahead in the scales and minimums (a second and third
+// stream; without them every small group waits on its scales), running on into the same region of the panel the tile
+// reads next: panels lie back to back, and without that each panel started on demand misses (decode M = 1 g32:
+// 4096x4096 at ~1.0x W8A8's time, not ~0.8x). The methods return addresses and the tiles issue the prefetches: GCC (12)
+// deletes a call to a function whose only effect is a prefetch. In an unnamed namespace, as `static` elsewhere: each
+// ISA-flagged TU keeps its own copy.
 namespace {
 struct Int4PanelStream {
   const uint8_t* panel;
@@ -67,7 +68,7 @@ struct Int4PanelStream {
 // A tile of many rows (prefill) re-reads its panel from cache for every block of rows, and running on into the next
 // panel measured ~5-10% slower.
 Int4PanelStream int4_panel_stream(const uint8_t* panel, const Int4Groups& f, bool decode, int panels) {
-  const int64_t group_nibble_bytes = f.group * kX86PanelWidth / 2, scale_size = f.half_scales ? 2 : 4;
+  const int64_t group_nibble_bytes = f.group * kX86PanelWidth / 2, scale_size = int4_scale_bytes(f.half_scales);
   const int64_t nibble_bytes = f.groups * group_nibble_bytes, scale_bytes = f.groups * kX86PanelWidth * scale_size;
   const int64_t min_bytes = f.has_mins ? f.groups * kX86PanelWidth * 4 : 0;
   const int64_t panel_bytes = nibble_bytes + scale_bytes + min_bytes;

@@ -12,7 +12,7 @@ import torch
 
 from ._loader import ops
 from ._packed_weight import (HEADER_BYTES, INT4_GROUPS, header_format, header_half_scales, header_sizes, int4_panels,
-                             is_int4_group, scale_bytes)
+                             is_int4_group)
 
 
 def info() -> dict:
@@ -276,19 +276,18 @@ def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
     scheme, group = header_format(raw)
     if scheme == 0:
         raise ValueError("blob: holds int8 weights (pack_weight); int4_weight_values reads pack_weight_int4's blobs")
-    body, nibble_bytes, groups = int4_panels(raw)
-    half = header_half_scales(raw)
+    body, nibble_bytes, scales_end, groups = int4_panels(raw)
     panels = n_padded // nr
-    scale_end = nibble_bytes + groups * nr * scale_bytes(half)
 
     def per_channel(values: torch.Tensor) -> torch.Tensor:  # [panels, groups, nr] -> fp32 [N, groups]
         return values.permute(0, 2, 1).reshape(n_padded, groups)[:n].to(torch.float32).contiguous()
 
-    scales = body[:, nibble_bytes:scale_end].contiguous().view(torch.float16 if half else torch.float32)
+    scales = body[:, nibble_bytes:scales_end].contiguous().view(torch.float16 if header_half_scales(raw) else
+                                                                torch.float32)
     scale = per_channel(scales.view(panels, groups, nr))
     if scheme != 2:
         return q, scale, None, group
-    minimum = per_channel(body[:, scale_end:].contiguous().view(torch.float32).view(panels, groups, nr))
+    minimum = per_channel(body[:, scales_end:].contiguous().view(torch.float32).view(panels, groups, nr))
     return q, scale, minimum, group
 
 
@@ -319,7 +318,7 @@ def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tenso
     raw = _verified_blob(blob, arg)
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     if header_format(raw)[0] != 0:  # int4: nibbles u = q + 8, 32 bytes hold 64 elements: low nibbles, then high
-        body, nibble_bytes, _ = int4_panels(raw)
+        body, nibble_bytes, _, _ = int4_panels(raw)
         chunks = body[:, :nibble_bytes].reshape(-1, 32).to(torch.int16)
         panels = (torch.cat([chunks & 0x0F, chunks >> 4], dim=1) - 8).to(torch.int8).reshape(-1)
     else:

@@ -44,7 +44,7 @@ def header_half_scales(blob) -> bool:
 
 
 def scale_bytes(half_scales: bool) -> int:
-    """Bytes of one stored group scale (csrc/common/packed_weight.h, scale_bytes)."""
+    """Bytes of one stored group scale (csrc/common/microkernel.h, int4_scale_bytes)."""
     return 2 if half_scales else 4
 
 
@@ -59,17 +59,18 @@ def int8_blob_nbytes(n_padded: int, k_padded: int) -> int:
     return HEADER_BYTES + n_padded * k_padded + 4 * n_padded
 
 
-def int4_panels(raw) -> Tuple[torch.Tensor, int, int]:
-    """(body uint8 [panels, panel bytes], nibble bytes of a panel, groups) of a verified int4 blob: each panel's
-    nibbles, then its scales [groups][nr] (fp32, or fp16: header_half_scales) and minimums [groups][nr] (fp32):
-    pack_weight_int4's layout (csrc/common/packed_weight.h, WeightScheme)."""
+def int4_panels(raw) -> Tuple[torch.Tensor, int, int, int]:
+    """(body uint8 [panels, panel bytes], nibble bytes of a panel, where its scales end, groups) of a verified int4
+    blob: each panel's nibbles, then its scales [groups][nr] (fp32, or fp16: header_half_scales), then its minimums
+    [groups][nr] (fp32) to the panel's end: pack_weight_int4's layout (csrc/common/packed_weight.h, WeightScheme)."""
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
     scheme, group = header_format(raw)
     groups = k_padded // (group or k_padded)
     nibble_bytes = k_padded * nr // 2
-    panel_bytes = nibble_bytes + groups * nr * (scale_bytes(header_half_scales(raw)) + (4 if scheme == 2 else 0))
+    scales_end = nibble_bytes + groups * nr * scale_bytes(header_half_scales(raw))
+    panel_bytes = scales_end + (groups * nr * 4 if scheme == 2 else 0)
     body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
-    return body, nibble_bytes, groups
+    return body, nibble_bytes, scales_end, groups
 
 
 def packed_weight_nbytes(n: int, k: int, int4_group: Optional[int] = None, int4_mins: bool = False,

@@ -341,8 +341,8 @@ void test_int4_shared_vectors(const MicroKernel& kern) {
                        scheme == WeightScheme::int4_min ? mins.data() : nullptr, f, blobs.back().data(), serial_for);
     }
   for (const auto& b : blobs) views.push_back(view_packed_weight(b.data(), b.size(), "w"));
-  CHECK(blobs[1].size() < blobs[0].size() && blobs[3].size() < blobs[2].size(), "%s: fp16 scales did not shrink the blob",
-        kern.name);
+  CHECK(blobs[1].size() < blobs[0].size() && blobs[3].size() < blobs[2].size(),
+        "%s: fp16 scales did not shrink the blob", kern.name);
   int64_t row_mismatches = 0, storage_mismatches = 0;
   std::vector<float> block_out(s.m * s.n), rows_out(kTwoPanelMaxRows * s.n), f32_out(s.m * s.n);
   for (size_t b = 0; b < views.size(); ++b) {

@@ -30,6 +30,14 @@ struct GemmOutput {
   int64_t ldo;
   bool raw_int32 = false;
   const int32_t* a_group_sums = nullptr;  // int4 weights: [m, groups] sums of A's int8 rows per group (linear())
+  // out holds the outputs from row first_row and column first_col on (a task's own block, gated_linear); a_scales,
+  // w_scales, bias and a_group_sums stay indexed by the whole GEMM's rows and columns.
+  int64_t first_row = 0, first_col = 0;
+
+  // The address of output (r, n0).
+  void* at(int64_t r, int64_t n0) const {
+    return static_cast<char*>(out) + ((r - first_row) * ldo + n0 - first_col) * element_bytes(out_kind);
+  }
 };
 
 constexpr int64_t kScaleRowCols = 256;  // most columns scale_row takes at once (its fp32 row buffer)
@@ -50,12 +58,13 @@ template <typename Acc>
 static void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
   if constexpr (std::is_same_v<Acc, int32_t>) {
     if (o.raw_int32) {
-      std::memcpy(static_cast<int32_t*>(o.out) + r * o.ldo + n0, acc, static_cast<size_t>(cols) * 4);
+      std::memcpy(static_cast<int32_t*>(o.out) + (r - o.first_row) * o.ldo + n0 - o.first_col, acc,
+                  static_cast<size_t>(cols) * 4);
       return;
     }
   }
   float v[kScaleRowCols];
-  void* dst = static_cast<char*>(o.out) + (r * o.ldo + n0) * element_bytes(o.out_kind);
+  void* dst = o.at(r, n0);
   // fp32 rows go straight to the output (the MoE's intermediates: a 64-byte memcpy call per row was ~8% of it).
   float* vr = o.out_kind == FloatKind::f32 ? static_cast<float*>(dst) : v;
   scale_values(acc, o.a_scales[r], o.w_scales + n0, o.bias ? o.bias + n0 : nullptr, cols, vr);
@@ -73,7 +82,7 @@ static void scale_tile(const int32_t* c, int rows, int nr, int64_t r0, int64_t n
   const float* ws = o.w_scales + n0;
   const float* bias = o.bias ? o.bias + n0 : nullptr;
   for (int i = 0; i < rows; ++i)
-    scale_values(c + i * nr, o.a_scales[r0 + i], ws, bias, cols, static_cast<float*>(o.out) + (r0 + i) * o.ldo + n0);
+    scale_values(c + i * nr, o.a_scales[r0 + i], ws, bias, cols, static_cast<float*>(o.at(r0 + i, n0)));
 }
 
 }  // namespace w8a8_cpu

@@ -297,20 +297,47 @@ void scale_accumulators(const int32_t* acc, int64_t m, int64_t n, int64_t lda, c
 
 namespace {
 
+// Most rows of a task of gemm_packed: 8 tiles' worth.
+constexpr int kRowBlockTiles = 8;
+
+// Rows [r0, r1) (at most kRowBlockTiles * mr) of the gated product's columns [n0, n0 + nr), n0 = panel * nr < I: the
+// gate panel's and the up panel's (panel + I / nr) epilogues into fp32 blocks of this task (the bits of separate
+// layers), silu(gate) * up on them while they are in L1, each row cast once into o. Instead of all 2I channels of
+// every row written to memory and read back by a pass of their own (SmolLM2's prefill: 6 MiB a layer).
+void compute_gated_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
+                        const PackedWeightView& w, int64_t panel, int64_t inter, const GemmOutput& o) {
+  const int nr = w.layout.nr;
+  float gate[kRowBlockTiles * kMaxTileInt32], up[kRowBlockTiles * kMaxTileInt32];
+  GemmOutput block = o;
+  block.out_kind = FloatKind::f32, block.ldo = nr, block.raw_int32 = false, block.first_row = r0;
+  for (const auto& [half, values] : {std::pair<int64_t, float*>{0, gate}, {inter / nr, up}}) {
+    block.out = values, block.first_col = (panel + half) * nr;
+    compute_panel_rows(kernel, a_packed, a_stride, r0, r1, w, panel + half, block);
+  }
+  const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, inter - n0);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = gate + (r - r0) * nr;
+    silu_mul(kernel, row, up + (r - r0) * nr, cols);
+    store_row_from_float(o.at(r, n0), o.out_kind, row, cols);
+  }
+}
+
 // Tasks are (panel, block of rows), panel-major: a claim of consecutive tasks is a contiguous slice of the weight,
 // streamed once (decode), reused from cache across its row blocks (prefill). Every output element is produced by
-// one tile call over the full K, so results do not depend on how tasks are split among threads.
+// one tile call over the full K, so results do not depend on how tasks are split among threads. gated_inter > 0: o is
+// gated_linear's output of that many columns, a task's panel is a gate panel (with its up panel: compute_gated_rows).
 void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t m,
-                 const PackedWeightView& w, const GemmOutput& o, const ParallelFor& parallel_for) {
+                 const PackedWeightView& w, const GemmOutput& o, const ParallelFor& parallel_for,
+                 int64_t gated_inter = 0) {
   const PackedWeightHeader& h = w.header;
   const int mr = kernel.geometry().mr;
-  const int64_t rows_per_block = std::min<int64_t>(round_up(m, mr), 8 * mr);
+  const int64_t rows_per_block = std::min<int64_t>(round_up(m, mr), kRowBlockTiles * mr);
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
-  const int64_t panels = h.n_padded / w.layout.nr;
-  const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr;
+  const int64_t panels = gated_inter > 0 ? gated_inter / w.layout.nr : h.n_padded / w.layout.nr;
+  const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr * (gated_inter > 0 ? 2 : 1);
   // Decode (m <= kTwoPanelMaxRows, a task per panel): panels two by two where the variant has a two-panel tile for the
   // weight's scheme (a claim of an even number of panels; an odd last one alone).
-  const bool two_panels = m <= kTwoPanelMaxRows && row_blocks == 1 &&
+  const bool two_panels = m <= kTwoPanelMaxRows && row_blocks == 1 && gated_inter == 0 &&
                           (w.int4() ? kernel.int4_two_panel_rows != nullptr : kernel.two_panel_rows != nullptr);
   // About 2^20 multiply-adds (~15 us) per claim: few claims, yet a slow thread holds up little.
   int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
@@ -322,9 +349,12 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
         t += 2;
         continue;
       }
-      const int64_t p = t / row_blocks, rb = t % row_blocks;
-      compute_panel_rows(kernel, a_packed, a_stride, rb * rows_per_block, std::min(m, (rb + 1) * rows_per_block), w,
-                         p, o);
+      const int64_t p = t / row_blocks, r0 = t % row_blocks * rows_per_block;
+      const int64_t r1 = std::min(m, r0 + rows_per_block);
+      if (gated_inter > 0)
+        compute_gated_rows(kernel, a_packed, a_stride, r0, r1, w, p, gated_inter, o);
+      else
+        compute_panel_rows(kernel, a_packed, a_stride, r0, r1, w, p, o);
       ++t;
     }
   }, kernel.thread_enter, kernel.thread_leave);
@@ -348,14 +378,17 @@ void gemm(const MicroKernel& kernel, const int8_t* a, int64_t m, int64_t lda, co
   gemm_packed(kernel, a_packed, packed_a_stride(kernel, h.k_padded), m, w, o, parallel_for);
 }
 
-int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
-               const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
-               const ParallelFor& parallel_for) {
+namespace {
+
+// The linear layer (linear() when gated_inter is 0, else gated_linear's fused form). Quantize and pack each row in one
+// pass (one region; none for decode-sized m), then the GEMM's region. int4 weights: A's sums per group too, and plain
+// int8 rows (the reference packing) for a variant's int4 tile.
+int64_t quantized_gemm(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+                       const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out,
+                       void* scratch, const ParallelFor& parallel_for, int64_t gated_inter) {
   check_kernel_reads(kernel, w, "w");
   const PackedWeightHeader& h = w.header;
   if (m == 0) return -1;
-  // Quantize and pack each row in one pass (one region; none for decode-sized m), then the GEMM's region. int4
-  // weights: A's sums per group too, and plain int8 rows (the reference packing) for a variant's int4 tile.
   auto* q = static_cast<int8_t*>(scratch);
   auto* sums = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign));
   auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(a_group_sums_nbytes(w, m), kAlign);
@@ -367,8 +400,16 @@ int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t
   const int64_t bad = checked_rows(failures, m, kernel, x, kind, ldx, h.k, row_amax);
   o.a_scales = a_scales_out;
   o.a_group_sums = sums;
-  gemm_packed(kernel, a_packed, packed_a_stride(kernel, w), m, w, o, parallel_for);
+  gemm_packed(kernel, a_packed, packed_a_stride(kernel, w), m, w, o, parallel_for, gated_inter);
   return bad;
+}
+
+}  // namespace
+
+int64_t linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,
+               const float* row_amax, const PackedWeightView& w, GemmOutput o, float* a_scales_out, void* scratch,
+               const ParallelFor& parallel_for) {
+  return quantized_gemm(kernel, x, kind, m, ldx, row_amax, w, o, a_scales_out, scratch, parallel_for, 0);
 }
 
 void silu_mul(const MicroKernel& kernel, float* gate, const float* up, int64_t n) {
@@ -387,8 +428,13 @@ int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, i
   if (n % 2 != 0)
     throw std::invalid_argument("w: a gated linear needs an even number of output channels (gate rows, then up "
                                 "rows), got " + std::to_string(n));
-  // The GEMM writes both halves in fp32 (the epilogue of linear(), so gate and up are bit for bit the outputs of
-  // separate layers), then one pass per row applies silu(gate) * up and casts once to the output type.
+  // Rows of tiles (prefill) with whole gate panels: each task its gate and up panels (compute_gated_rows).
+  if (m > kTwoPanelMaxRows && inter % w.layout.nr == 0)
+    return quantized_gemm(kernel, x, kind, m, ldx, row_amax, w, o, a_scales_out,
+                          static_cast<uint8_t*>(scratch) + round_up(m * n * 4, kAlign), parallel_for, inter);
+  // Else (decode's rows, which the two-panel tiles stream, or a gate panel holding up channels) the GEMM writes both
+  // halves in fp32 (the epilogue of linear(), so gate and up are bit for bit the outputs of separate layers), then
+  // one pass per row applies silu(gate) * up and casts once to the output type.
   auto* gate_up = static_cast<float*>(scratch);
   GemmOutput both = o;
   both.out = gate_up, both.out_kind = FloatKind::f32, both.ldo = n, both.raw_int32 = false;
@@ -398,8 +444,7 @@ int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, i
     for (int64_t r = r0; r < r1; ++r) {
       float* row = gate_up + r * n;
       silu_mul(kernel, row, row + inter, inter);
-      store_row_from_float(static_cast<char*>(o.out) + r * o.ldo * element_bytes(o.out_kind), o.out_kind, row,
-                           inter);
+      store_row_from_float(o.at(r, 0), o.out_kind, row, inter);
     }
   });
   return bad;

@@ -106,7 +106,9 @@ void silu_mul(const MicroKernel& kernel, float* gate, const float* up, int64_t n
 // The gated linear layer (SwiGLU MLPs' gate/up projection as one GEMM): w holds 2I channels, gate rows [0, I) then up
 // rows [I, 2I); out[r, j] = silu(g[r, j]) * u[r, j] where g and u are linear()'s fp32 outputs of those channels, cast
 // once to o.out_kind (o.out [m, I], rows o.ldo apart; o.w_scales and o.bias cover all 2I channels). One activation
-// quantization, one GEMM. Returns the first non-finite row or -1 (quantize_rows).
+// quantization, one GEMM; for rows of tiles (m > kTwoPanelMaxRows) with I whole panels, silu(gate) * up applied by
+// each task to its own gate and up blocks, else by a pass over all 2I fp32 channels (the same bits either way).
+// Returns the first non-finite row or -1 (quantize_rows).
 int64_t gated_linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t n,
                                     int64_t groups = 0);
 int64_t gated_linear(const MicroKernel& kernel, const void* x, FloatKind kind, int64_t m, int64_t ldx,

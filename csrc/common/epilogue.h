@@ -30,6 +30,7 @@ struct GemmOutput {
   int64_t ldo;
   bool raw_int32 = false;
   const int32_t* a_group_sums = nullptr;  // int4 weights: [m, groups] sums of A's int8 rows per group (linear())
+  const uint8_t* a_rows_small = nullptr;  // [m]: 1 where MicroKernel::a_row_small holds for A's row (linear())
   // out holds the outputs from row first_row and column first_col on (a task's own block, gated_linear); a_scales,
   // w_scales, bias and a_group_sums stay indexed by the whole GEMM's rows and columns.
   int64_t first_row = 0, first_col = 0;

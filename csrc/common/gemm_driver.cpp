@@ -117,8 +117,9 @@ int64_t gemm_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k_padd
 }
 
 int64_t linear_scratch_nbytes(const MicroKernel& kernel, int64_t m, int64_t k, int64_t k_padded, int64_t groups) {
-  // quantized rows, their int4 group sums, then the packed rows
-  return round_up(m * k, kAlign) + round_up(m * groups * 4, kAlign) + m * packed_a_stride(kernel, k_padded);
+  // quantized rows, their int4 group sums, which rows are small (MicroKernel::a_row_small), then the packed rows
+  return round_up(m * k, kAlign) + round_up(m * groups * 4, kAlign) + round_up(m, kAlign) +
+         m * packed_a_stride(kernel, k_padded);
 }
 
 void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, const char* arg) {
@@ -249,7 +250,10 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
   int32_t c[kMaxTileInt32];
   for (int64_t r = r0; r < r1; r += mr) {
     const int rows = static_cast<int>(std::min<int64_t>(mr, r1 - r));
-    kernel.tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data, sums, w.layout, k_padded, c);
+    const bool small = o.a_rows_small && std::all_of(o.a_rows_small + r, o.a_rows_small + r + rows,
+                                                     [](uint8_t row_small) { return row_small != 0; });
+    (small ? kernel.tile_small : kernel.tile)(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, panel_data,
+                                              sums, w.layout, k_padded, c);
     scale(c, rows, nr, r, n0, cols, o);
   }
 }
@@ -391,15 +395,21 @@ int64_t quantized_gemm(const MicroKernel& kernel, const void* x, FloatKind kind,
   if (m == 0) return -1;
   auto* q = static_cast<int8_t*>(scratch);
   auto* sums = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(scratch) + round_up(m * h.k, kAlign));
-  auto* a_packed = reinterpret_cast<uint8_t*>(sums) + round_up(a_group_sums_nbytes(w, m), kAlign);
+  auto* small = reinterpret_cast<uint8_t*>(sums) + round_up(a_group_sums_nbytes(w, m), kAlign);
+  auto* a_packed = small + round_up(m, kAlign);
+  // int8 weights through the variant's own tiles (int4 ones have their own); decode rows take the two-panel tiles
+  const bool ask_small = kernel.a_row_small && !w.int4() && m > kTwoPanelMaxRows;
   RowFailures failures(m);
   dynamic_for(m, rows_per_claim(h.k), parallel_for, [&](int64_t r0, int64_t r1) {
     quantize_row_range(kernel, x, kind, ldx, h.k, row_amax, q, h.k, a_scales_out, r0, r1, failures);
     prepare_rows_for(kernel, w, r0, r1, [&](int64_t r) { return q + r * h.k; }, a_packed, sums);
+    if (ask_small)
+      for (int64_t r = r0; r < r1; ++r) small[r] = kernel.a_row_small(q + r * h.k, h.k) ? 1 : 0;
   });
   const int64_t bad = checked_rows(failures, m, kernel, x, kind, ldx, h.k, row_amax);
   o.a_scales = a_scales_out;
   o.a_group_sums = sums;
+  o.a_rows_small = ask_small ? small : nullptr;
   gemm_packed(kernel, a_packed, packed_a_stride(kernel, w), m, w, o, parallel_for, gated_inter);
   return bad;
 }

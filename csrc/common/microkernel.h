@@ -123,6 +123,15 @@ struct MicroKernel {
   void (*int4_two_panel_rows)(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
                               PanelLayout layout, const Int4Groups& groups, const int32_t* a_group_sums,
                               float* t) = nullptr;
+
+  // Optional, both or neither (null: `tile` for every row): `tile` for rows of A whose values keep a cheaper
+  // accumulation exact, the same int32 c. a_row_small(row, k) says whether one quantized row (k int8, as linear()
+  // made it, before packing) is such a row; the driver asks once a row (linear()) and calls tile_small for a tile whose
+  // rows all are (AVX2: two k steps' int16 pair sums added before widening, when no four |a| of one int16 lane's
+  // terms exceed 255: one multiply in four fewer; true of ~95% of SmolLM2's prefill rows).
+  bool (*a_row_small)(const int8_t* row, int64_t k) = nullptr;
+  void (*tile_small)(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums,
+                     PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones

@@ -30,7 +30,36 @@ constexpr int kMr = 4;
 // One k group of a panel is 64 bytes: channels 0-7 x 4 k, then channels 8-15 x 4 k. Each int32 lane of the
 // products is one channel's sum over the group's 4 k. P panels (the second panel_bytes after the first) in one pass:
 // P = 2 is the decode tile (MicroKernel::two_panel_rows), c[i * P * 16 + p * 16 + j].
-template <int M, int P = 1>
+// Small rows (MicroKernel::a_row_small): a product's pair sum |u0 a0 + u1 a1| <= 128 (|a0| + |a1|) (u = |w| <= 128),
+// so two k steps' int16 lanes (k, k + 1 and k + 4, k + 5 from k = 0 mod 8; likewise k + 2, k + 3, k + 6, k + 7) add
+// exactly in int16 when those four |a| sum to at most 255 (128 * 255 = 32640): one vpmaddwd and one vpaddd for the
+// two steps instead of two each. Real rows are mostly small (per-token int8 activations have one 127 and small values
+// around it: ~95% of SmolLM2's prefill rows).
+constexpr int kSmallLaneSum = 255;
+
+bool avx2_row_small(const int8_t* a, int64_t k) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  __m256i worst = _mm256_setzero_si256();
+  // |a| summed in pairs (int16 lane j: |a[2j]| + |a[2j + 1]|), then each 8 k's pairs 0 + 2 and 1 + 3 (a 64-bit lane
+  // shifted down by two int16 lanes); its lanes 2 and 3 keep a single pair sum (<= 256: never above the bound)
+  auto fold = [&](const int8_t* at) {
+    const __m256i pairs = _mm256_maddubs_epi16(
+        _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))), ones);
+    worst = _mm256_max_epu16(worst, _mm256_add_epi16(pairs, _mm256_srli_epi64(pairs, 32)));
+  };
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) fold(a + i);
+  if (i < k) {  // the last < 32 k, zero-padded as the packed row is
+    int8_t tail[32] = {};
+    std::memcpy(tail, a + i, static_cast<size_t>(k - i));
+    fold(tail);
+  }
+  alignas(32) uint16_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), worst);
+  return *std::max_element(lanes, lanes + 16) <= kSmallLaneSum;
+}
+
+template <int M, int P = 1, bool kSmall = false>
 void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t panel_bytes, int64_t k_padded,
                int32_t* c) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -40,8 +69,8 @@ void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t pane
   for (int i = 0; i < M; ++i)
 #pragma GCC unroll 4
     for (int h = 0; h < 2 * P; ++h) acc[i][h] = _mm256_setzero_si256();
-  for (int64_t k = 0, offset = 0; k < k_padded; k += 4, offset += kNr * 4) {
-    __m256i w[2 * P], u[2 * P];
+  // The weights of one k step of each panel: w as stored, u = |w|; the activations' sign goes to a (vpsignb).
+  auto load_step = [&](int64_t offset, __m256i* w, __m256i* u) {
     // Into L2, kX86PrefetchBytes ahead in each panel's stream (why and how far: x86_common.h); past a panel's end,
     // the stream goes on in the same panel of the next P (the driver's next call), not in this call's next panel.
     const int64_t ahead = kX86PrefetchBytes + (offset + kX86PrefetchBytes >= panel_bytes ? (P - 1) * panel_bytes : 0);
@@ -53,11 +82,35 @@ void tile_rows(const int8_t* a, size_t stride, const int8_t* panel, int64_t pane
       w[2 * p + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32));
       u[2 * p] = _mm256_abs_epi8(w[2 * p]), u[2 * p + 1] = _mm256_abs_epi8(w[2 * p + 1]);
     }
+  };
+  auto a_step = [&](int i, int64_t k) {
+    int32_t a4;
+    std::memcpy(&a4, a + i * stride + k, 4);
+    return _mm256_set1_epi32(a4);
+  };
+  int64_t k = 0, offset = 0;
+  if constexpr (kSmall)
+    for (; k + 8 <= k_padded; k += 8, offset += kNr * 8) {
+      __m256i w0[2 * P], u0[2 * P], w1[2 * P], u1[2 * P];
+      load_step(offset, w0, u0);
+      load_step(offset + kNr * 4, w1, u1);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) {
+        const __m256i a0 = a_step(i, k), a1 = a_step(i, k + 4);
+#pragma GCC unroll 4
+        for (int h = 0; h < 2 * P; ++h) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0[h], _mm256_sign_epi8(a0, w0[h])),
+                                                 _mm256_maddubs_epi16(u1[h], _mm256_sign_epi8(a1, w1[h])));
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+  for (; k < k_padded; k += 4, offset += kNr * 4) {
+    __m256i w[2 * P], u[2 * P];
+    load_step(offset, w, u);
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
-      int32_t a4;
-      std::memcpy(&a4, a + i * stride + k, 4);
-      const __m256i av = _mm256_set1_epi32(a4);
+      const __m256i av = a_step(i, k);
 #pragma GCC unroll 4
       for (int h = 0; h < 2 * P; ++h)
         acc[i][h] = _mm256_add_epi32(acc[i][h],
@@ -75,6 +128,14 @@ void avx2_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
   const auto* a8 = static_cast<const int8_t*>(a);
   with_row_count<kMr>(m, [&](auto rows) {
     tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, 0, k_padded, c);
+  });
+}
+
+void avx2_tile_small(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t*, PanelLayout,
+                     int64_t k_padded, int32_t* c) {
+  const auto* a8 = static_cast<const int8_t*>(a);
+  with_row_count<kMr>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value, 1, true>(a8, a_row_stride, panel, 0, k_padded, c);
   });
 }
 
@@ -310,6 +371,8 @@ const MicroKernel kAvx2Kernel = {
     scale_tile,
     avx2_two_panel_rows,
     avx2_int4_two_panel_rows,
+    avx2_row_small,
+    avx2_tile_small,
 };
 
 }  // namespace w8a8_cpu

@@ -69,9 +69,10 @@ int64_t blob_k_padded(const std::vector<uint8_t>& blob) {
   return view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w").header.k_padded;
 }
 
-// Runs the variant's tile over every (row tile, panel) and returns the int32 accumulators [m, n].
+// Runs the variant's tile (or `tile`, another of its tiles) over every (row tile, panel) and returns the int32
+// accumulators [m, n].
 std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<int8_t>& a, const std::vector<int8_t>& w,
-                                   const Shape& s) {
+                                   const Shape& s, decltype(MicroKernel::tile) tile_fn = nullptr) {
   const TileGeometry g = kern.geometry();
   std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, g.layout, "w"));
   pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
@@ -89,8 +90,8 @@ std::vector<int32_t> kernel_matmul(const MicroKernel& kern, const std::vector<in
   for (int64_t r = 0; r < s.m; r += g.mr) {
     const int rows = static_cast<int>(std::min<int64_t>(g.mr, s.m - r));
     for (int64_t p = 0; p < pw.header.n_padded / nr; ++p) {
-      kern.tile(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr, sums.data() + p * nr, pw.layout, kp,
-                tile.data());
+      (tile_fn ? tile_fn : kern.tile)(apack.data() + r * stride, stride, rows, pw.panels + p * kp * nr,
+                                      sums.data() + p * nr, pw.layout, kp, tile.data());
       for (int i = 0; i < rows; ++i)
         for (int64_t j = 0; j < nr && p * nr + j < s.n; ++j) c[(r + i) * s.n + p * nr + j] = tile[i * nr + j];
     }
@@ -173,6 +174,56 @@ void test_two_panel_rows(const MicroKernel& kern, const std::vector<Shape>& shap
   }
   std::printf("  %-12s two_panel_rows: %" PRId64 " panel pairs, %" PRId64 " mismatches\n", kern.name, pairs,
               mismatches);
+}
+
+// The tile for small rows (MicroKernel::a_row_small / tile_small): rows of small values with one 127 each (as
+// per-token quantization makes them) are small and exact against the int64 reference on every sweep shape (weights
+// in [-128, 127]); at the bound, a row whose four |a| of one int16 lane (k, k + 1, k + 4, k + 5 or k + 2, k + 3,
+// k + 6, k + 7 from k = 0 mod 8) sum to 255, all negative, is small and exact against weights of -128 (every product
+// +128 |a|: the lane reaches 128 * 255 = 32640), in every such lane position, a tail shorter than 32 k included, and
+// 256 (32768, past int16) is not small.
+void test_tile_small(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
+  CHECK(!kern.a_row_small == !kern.tile_small, "%s: a_row_small and tile_small come together", kern.name);
+  if (!kern.tile_small) return;
+  std::mt19937_64 rng(seed);
+  int64_t mismatches = 0, not_small = 0;
+  std::uniform_int_distribution<int64_t> pick(0, 1 << 30);
+  for (const Shape& s : shapes) {
+    auto a = random_int8(rng, s.m * s.k, -32, 32);
+    for (int64_t i = 0; i < s.m; ++i) a[i * s.k + pick(rng) % s.k] = pick(rng) % 2 ? 127 : -127;
+    const auto w = random_int8(rng, s.n * s.k, -128, 127);
+    for (int64_t i = 0; i < s.m; ++i) not_small += !kern.a_row_small(a.data() + i * s.k, s.k);
+    const auto want = reference_matmul(a, w, s);
+    const auto got = kernel_matmul(kern, a, w, s, kern.tile_small);
+    for (int64_t i = 0; i < s.m * s.n; ++i)
+      if (got[i] != want[i] && mismatches++ < 5)
+        CHECK(false, "%s: tile_small M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " element %" PRId64 ": got %d want %" PRId64,
+              kern.name, s.m, s.n, s.k, i, got[i], want[i]);
+  }
+  CHECK(not_small == 0, "%s: %" PRId64 " rows of |a| <= 32 and one 127 not small", kern.name, not_small);
+  int64_t bound_cases = 0;
+  for (const int64_t k : {int64_t{64}, int64_t{40}})
+    for (int64_t block = 0; block + 8 <= k; block += 8)
+      for (const int first : {0, 2}) {  // the lane's pairs: k, k + 1 with k + 4, k + 5; or k + 2, k + 3 with k + 6, k + 7
+        for (const int total : {255, 256}) {
+          const Shape s{1, 16, k};
+          std::vector<int8_t> a(k, 0);
+          const int64_t at = block + first;
+          a[at] = -127, a[at + 1] = -127, a[at + 4] = static_cast<int8_t>(254 + 1 - total), a[at + 5] = -1;
+          const std::vector<int8_t> w(s.n * k, -128);
+          const bool small = kern.a_row_small(a.data(), k);
+          CHECK(small == (total <= 255), "%s: a row whose lane sums to %d at k %" PRId64 " (K=%" PRId64 ") %s small",
+                kern.name, total, at, k, small ? "is" : "is not");
+          if (!small) continue;
+          ++bound_cases;
+          const auto want = reference_matmul(a, w, s);
+          const auto got = kernel_matmul(kern, a, w, s, kern.tile_small);
+          CHECK(got == std::vector<int32_t>(want.begin(), want.end()), "%s: tile_small at the bound, k %" PRId64
+                " (K=%" PRId64 "): got %d want %" PRId64, kern.name, at, k, got[0], want[0]);
+        }
+      }
+  std::printf("  %-12s tile_small: %zu shapes + %" PRId64 " rows at the bound, %" PRId64 " mismatches\n", kern.name,
+              shapes.size(), bound_cases, mismatches);
 }
 
 // Extremes at the largest allowed K: every product +-2^14 must accumulate without int32 overflow.
@@ -826,6 +877,7 @@ int run(int argc, char** argv) {
     runnable.push_back(kern);
     test_matmul_sweep(*kern, shapes, seed);
     test_two_panel_rows(*kern, shapes, seed);
+    test_tile_small(*kern, shapes, seed);
     test_extreme_k(*kern);
     test_driver_int8_min(*kern, seed);
     test_quantization(*kern, seed);

@@ -188,6 +188,96 @@ def test_decoder_follows_the_model(model_type):
     assert agree >= 37
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, threads):
+    """decode_step_ runs the lean loop's decode step (every layer, then the final norm) as one op: the same functions
+    in the same order, so the same bits as the loop (qwen2: q/k/v biases; int4 layers with minimums): the greedy
+    tokens, every position of every layer's KV cache (each layer's keys read the hidden state before it), and a step's
+    lm_head input."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    options = dict(scheme=scheme, group_size=32, symmetric=False, min_max=True) if scheme == "w4a8" else {}
+    model = quantize_model(tiny_llama(model_type), quantize_embedding=True, fuse=True, **options)
+    fast, loop = Decoder(model), Decoder(model)
+    assert fast.one_op_step
+    loop.one_op_step = False
+    ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(8))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens = fast.greedy(ids, 15)
+        assert loop.greedy(ids, 15) == tokens
+        for layer in range(2):
+            assert torch.equal(fast.k_cache[layer], loop.k_cache[layer]), layer
+            assert torch.equal(fast.v_cache[layer], loop.v_cache[layer]), layer
+        assert fast.k_cache[1][:, 36].abs().sum() > 0  # the last step's position was written
+        with torch.inference_mode():
+            step = torch.tensor([tokens[-1]])
+            assert torch.equal(fast._forward(step, 36, fast._step_weights()), loop._forward(step, 36))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_one_op_decode_step_only_where_it_computes_the_loop():
+    """decode_step_ serves fp32 models of fused W8A8 / W4A8 layers with per-token activations; float or unfused models
+    and modules with forward hooks (which an op cannot call) decode through the loop, hooks called."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    assert not Decoder(tiny_llama()).one_op_step
+    assert not Decoder(quantize_model(tiny_llama(), quantize_embedding=True)).one_op_step  # unfused
+    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    decoder = Decoder(model)
+    assert decoder.one_op_step and decoder._step_weights() is not None
+    calls = []
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(1))
+    try:
+        assert decoder._step_weights() is None
+        decoder.greedy(ids, 4)
+        assert len(calls) == 4  # the prompt and three decode steps
+    finally:
+        handle.remove()
+    assert decoder._step_weights() is not None
+
+
+def test_one_op_decode_step_refuses_bad_input_naming_it():
+    from w8a8_cpu.llm.decoder import Decoder
+
+    ops = torch.ops.w8a8_cpu
+    decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True))
+    decoder.greedy(torch.arange(5), 2)
+    weights = decoder._step_weights()
+    first = decoder.layers[0]
+
+    def step(h=None, weights=weights, position=3, cos=decoder.cos):
+        h = torch.randn(1, 1, 64) if h is None else h
+        return ops.decode_step_(h, weights, decoder.k_cache, decoder.v_cache, cos, decoder.sin, position,
+                                first.heads, first.scaling, decoder.norm.eps)
+
+    assert step().shape == (1, 1, 64)
+    with pytest.raises(ValueError, match="weights: expected 14 a layer .2 layers. and the final norm's, 29 in all, got 28"):
+        step(weights=weights[:-1])
+    with pytest.raises(ValueError, match="position: expected 0 <= position < 6"):
+        step(position=6)
+    with pytest.raises(ValueError, match="h: expected one fp32 row"):
+        step(h=torch.randn(2, 64))
+    swapped = list(weights)
+    swapped[14 + 4] = weights[14 + 8]  # layer 1's o_proj as its gate/up projection: K 64 as o_proj's, N 192
+    swapped[14 + 5] = weights[14 + 9]
+    with pytest.raises(ValueError, match=r"layer 1, o_proj: expected 64 outputs \(h's\), got 192"):
+        step(weights=swapped)
+    missing = list(weights)
+    missing[1] = None
+    with pytest.raises(ValueError, match="layer 0, q/k/v projection: weight 1 is None"):
+        step(weights=missing)
+    if hasattr(torch.library, "opcheck"):
+        torch.library.opcheck(ops.decode_step_.default,
+                              (torch.randn(1, 1, 64), weights, decoder.k_cache, decoder.v_cache, decoder.cos,
+                               decoder.sin, 3, first.heads, first.scaling, decoder.norm.eps))
+
+
 def test_main_jobs_window_timer_scores_as_the_decoder_and_times_full_windows_only():
     """The main job's perplexity scorer (cli.llm.WindowPrefillTimer): the same logits as Decoder.logits (the last
     position's through the lm_head on its own, as prefill computes it: bit-identical for an int8 lm_head, whose rows

@@ -35,9 +35,11 @@ struct GemmOutput {
   // w_scales, bias and a_group_sums stay indexed by the whole GEMM's rows and columns.
   int64_t first_row = 0, first_col = 0;
 
-  // The address of output (r, n0).
+  // The index of output (r, n0) in out's elements (out_kind's, or int32 with raw_int32).
+  int64_t element(int64_t r, int64_t n0) const { return (r - first_row) * ldo + n0 - first_col; }
+  // The address of output (r, n0) in out_kind.
   void* at(int64_t r, int64_t n0) const {
-    return static_cast<char*>(out) + ((r - first_row) * ldo + n0 - first_col) * element_bytes(out_kind);
+    return static_cast<char*>(out) + element(r, n0) * element_bytes(out_kind);
   }
 };
 
@@ -59,8 +61,7 @@ template <typename Acc>
 static void scale_row(const Acc* acc, int64_t r, int64_t n0, int64_t cols, const GemmOutput& o) {
   if constexpr (std::is_same_v<Acc, int32_t>) {
     if (o.raw_int32) {
-      std::memcpy(static_cast<int32_t*>(o.out) + (r - o.first_row) * o.ldo + n0 - o.first_col, acc,
-                  static_cast<size_t>(cols) * 4);
+      std::memcpy(static_cast<int32_t*>(o.out) + o.element(r, n0), acc, static_cast<size_t>(cols) * 4);
       return;
     }
   }

@@ -14,6 +14,7 @@ from ._packed_weight import HEADER_BYTES, INT4_GROUPS, is_int4_group, packed_wei
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
 _MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHeadDim (microkernel.h)
 _FLOAT32_MAX = 3.4028234663852886e38
+_DECODE_STEP_WEIGHTS = 14  # kWeightsPerLayer (DecodeStepWeight in csrc/common/torch_binding.cpp)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -393,6 +394,23 @@ def register() -> None:
         if not abs(scale) <= _FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float32 value, got {scale}")
         return qkv.new_empty((heads, d))
+
+    @register_fake("w8a8_cpu::decode_step_")
+    def _decode_step_(h, weights, k_caches, v_caches, cos, sin, position, heads, scale, eps):
+        # the shapes decode_step_ checks before its layers; each layer's ops check theirs (their fakes above)
+        layers = len(k_caches)
+        if layers < 1 or len(v_caches) != layers:
+            raise ValueError(f"v_caches: expected one cache per layer of k_caches ({layers}), got {len(v_caches)}")
+        if len(weights) != _DECODE_STEP_WEIGHTS * layers + 1:
+            raise ValueError(f"weights: expected {_DECODE_STEP_WEIGHTS} a layer ({layers} layers) and the final "
+                             f"norm's, {_DECODE_STEP_WEIGHTS * layers + 1} in all, got {len(weights)}")
+        if h.dtype != torch.float32 or h.dim() < 1 or h.numel() != h.shape[-1]:
+            raise ValueError(f"h: expected one fp32 row [..., H] (a decode step's embedding), got {h.dtype} "
+                             f"{list(h.shape)}")
+        if cos.dim() != 2 or not 0 <= position < cos.shape[0]:
+            raise ValueError(f"position: expected 0 <= position < {cos.shape[0] if cos.dim() == 2 else 0} (the rows "
+                             f"of cos [positions, head_dim]), got {position} with cos of shape {list(cos.shape)}")
+        return h.new_empty(h.shape)
 
     @register_fake("w8a8_cpu::pack_weight")
     def _pack_weight(w):

@@ -5,7 +5,9 @@ several milliseconds of Python per token on top (module calls, cache objects, ma
 a small model's decode rate is set by that overhead, not by the kernels. Decoder runs the same layers of the same
 model object (its W8A8 linears, norms' weights, rotary tables, embedding and lm_head) in one flat loop: a static KV
 cache allocated once, rotary cos/sin computed once for every position, the fused q/k/v and gate/up GEMMs of
-fuse_projections, and the lm_head on the last position only. It is an inference path, not a new model: every
+fuse_projections, and the lm_head on the last position only; a decode step of an fp32 model whose layers are fused
+W8A8 / W4A8 ones runs the loop's ops for every layer as one op (decode_step_: the same bits, without ~210 Python
+dispatches a token, ~20% of SmolLM2's decode). It is an inference path, not a new model: every
 weight is the model's own, and its logits follow the model's (tests compare them over a text: perplexity and top-1
 agreement, the statistical gate a whole W8A8 model needs; greedy tokens follow the model's own argmax).
 
@@ -15,11 +17,11 @@ window). Anything else raises ValueError naming what is missing; use model.gener
 from __future__ import annotations
 
 import threading
-from typing import List
+from typing import List, Optional
 
 import torch
 
-from ..nn import W8A8LinearSlice
+from ..nn import W8A8GatedMLP, W8A8Linear, W8A8LinearSlice
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 # transformers' rotary types whose frequencies do not depend on the sequence within max_position_embeddings (which
@@ -67,6 +69,9 @@ class _Layer:
             self.qkv = lambda x: torch.cat([q(x), k(x), v(x)], dim=-1)
         self.o_proj = attn.o_proj
         self.mlp = layer.mlp
+        # the modules the loop calls (Decoder._step_weights: forward hooks on them)
+        self.modules = [m for m in (self.qkv, self.o_proj, self.mlp, getattr(self.mlp, "down_proj", None))
+                        if isinstance(m, torch.nn.Module)]
         self.scaling = float(attn.scaling)
         self.head_dim = int(attn.head_dim)
         self.heads = config.num_attention_heads
@@ -79,7 +84,9 @@ class Decoder:
     decoder.logits(ids, last) -> the last `last` positions' logits (perplexity); decoder.hidden(ids) -> the lm_head's
     input at every position. Calls on one Decoder from several threads run one at a time: they share its KV cache
     (unguarded, two threads' prompts overwrote each other's keys: wrong logits, silently); give each thread a Decoder
-    of its own to run them side by side (the model's weights are shared, not copied)."""
+    of its own to run them side by side (the model's weights are shared, not copied). one_op_step: whether its decode
+    steps run as one decode_step_ op (fp32, fused W8A8 / W4A8 layers with per-token activations; set it False to run
+    the loop's ops one by one, the same bits)."""
 
     def __init__(self, model: torch.nn.Module):
         config = getattr(model, "config", None)
@@ -120,6 +127,7 @@ class Decoder:
                              f"dimensions (partial_rotary_factor); Decoder rotates whole heads; use model.generate")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self._model, self._parts = model, _parts(model)
+        self.one_op_step = self.dtype == torch.float32 and _one_op_step_layers(self.layers, self.norm)
         self._cache_len = 0
         self._cache_lock = threading.Lock()  # held by every call that sizes, writes or reads the KV cache
 
@@ -158,13 +166,18 @@ class Decoder:
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
 
-    def _forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start: int, step_weights: Optional[list] = None) -> torch.Tensor:
         """Positions start .. start + T - 1 of ids [T] through the model (their K/V written to the cache); returns the
-        final norm's output [T, hidden], the lm_head's input. start == 0 (a prompt) or T == 1 (a decode step)."""
+        final norm's output [T, hidden], the lm_head's input. start == 0 (a prompt) or T == 1 (a decode step; with
+        step_weights, _step_weights(): through decode_step_)."""
         t = ids.numel()
         end = start + t
         # The residual stream h [1, T, H] is updated in place by the norms (h is the embedding's fresh output).
         h = self.embed(ids.view(1, t))
+        if step_weights is not None:  # the loop below as one op (decode_step_): the same functions, the same bits
+            first = self.layers[0]
+            return torch.ops.w8a8_cpu.decode_step_(h, step_weights, self.k_cache, self.v_cache, self.cos, self.sin,
+                                                   start, first.heads, first.scaling, self.norm.eps)[0]
         x = self.layers[0].input_norm(h)
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             d, nq, nkv = layer.head_dim, layer.heads, layer.kv_heads
@@ -191,6 +204,26 @@ class Decoder:
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = following.add_(h, layer.mlp(x))
         return x[0]
+
+    def _step_weights(self) -> Optional[list]:
+        """decode_step_'s weights where it computes this model's decode steps (one_op_step, and no forward hooks on
+        the modules the loop would call: the op calls no module, a hook would not run), else None: per layer its input
+        norm, q/k/v, o_proj, post-attention norm, gate/up and down (packed weight, scales, bias or None each), then the
+        final norm, read from the modules as the loop reads them."""
+        modules = torch.nn.modules.module
+        if not self.one_op_step or modules._global_forward_hooks or modules._global_forward_pre_hooks or any(
+                m._forward_hooks or m._forward_pre_hooks for layer in self.layers for m in layer.modules):
+            return None
+        weights = []
+        for layer in self.layers:
+            qkv, out, mlp = layer.qkv._buffers, layer.o_proj._buffers, layer.mlp._buffers
+            down = layer.mlp._modules["down_proj"]._buffers
+            weights += [layer.input_norm.tensors["weight"], qkv["weight_packed"], qkv["w_scale"], qkv["bias"],
+                        out["weight_packed"], out["w_scale"], out["bias"], layer.post_norm.tensors["weight"],
+                        mlp["gate_up_packed"], mlp["gate_up_scale"], mlp["gate_up_bias"], down["weight_packed"],
+                        down["w_scale"], down["bias"]]
+        weights.append(self.norm.tensors["weight"])
+        return weights
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] of the position after ids [T] (the prompt's forward pass; the cache is reset)."""
@@ -237,13 +270,38 @@ class Decoder:
             self._allocate(ids.numel() + new_tokens - 1)  # the last token's keys are never needed
             logits = self.lm_head(self._forward(ids, 0)[-1:])[0]
             position = ids.numel()
+            step_weights = self._step_weights()
             for _ in range(new_tokens - 1):
                 token = logits.argmax()
                 out.append(int(token))
-                logits = self.lm_head(self._forward(token.view(1), position))[0]
+                logits = self.lm_head(self._forward(token.view(1), position, step_weights))[0]
                 position += 1
             out.append(int(logits.argmax()))
         return out
+
+
+def _plain_w8a8(module) -> bool:
+    """A W8A8Linear / W4A8Linear with per-token dynamic activations (what decode_step_'s GEMMs compute)."""
+    return isinstance(module, W8A8Linear) and module._buffers["input_scale"] is None and \
+        module.symmetric_activations
+
+
+def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
+    """Whether decode_step_ computes these layers' decode step: fused q/k/v and gate/up GEMMs of W8A8 / W4A8 layers with
+    per-token activations (quantize_model(..., fuse=True)), one attention geometry and one norm epsilon in every
+    layer."""
+    first = layers[0]
+    for layer in layers:
+        mlp = layer.mlp
+        if not (_plain_w8a8(layer.qkv) and _plain_w8a8(layer.o_proj) and isinstance(mlp, W8A8GatedMLP) and
+                _plain_w8a8(mlp.down_proj)):
+            return False
+        if (layer.heads, layer.kv_heads, layer.head_dim, layer.scaling) != \
+                (first.heads, first.kv_heads, first.head_dim, first.scaling):
+            return False
+        if layer.input_norm.eps != final_norm.eps or layer.post_norm.eps != final_norm.eps:
+            return False
+    return True
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:

@@ -251,10 +251,10 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
     weights = decoder._step_weights()
     first = decoder.layers[0]
 
-    def step(h=None, weights=weights, position=3, cos=decoder.cos):
+    def step(h=None, weights=weights, position=3, cos=decoder.cos, heads=first.heads):
         h = torch.randn(1, 1, 64) if h is None else h
-        return ops.decode_step_(h, weights, decoder.k_cache, decoder.v_cache, cos, decoder.sin, position,
-                                first.heads, first.scaling, decoder.norm.eps)
+        return ops.decode_step_(h, weights, decoder.k_cache, decoder.v_cache, cos, decoder.sin, position, heads,
+                                first.scaling, decoder.norm.eps)
 
     assert step().shape == (1, 1, 64)
     with pytest.raises(ValueError, match="weights: expected 14 a layer .2 layers. and the final norm's, 29 in all, got 28"):
@@ -263,6 +263,10 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
         step(position=6)
     with pytest.raises(ValueError, match="h: expected one fp32 row"):
         step(h=torch.randn(2, 64))
+    with pytest.raises(ValueError, match="heads: expected 1 <= heads <= 2147483647, got 1099511627776"):
+        step(heads=2 ** 40)
+    with pytest.raises(ValueError, match="layer 1, k_cache: h: overlaps the layer's k_cache"):
+        step(h=decoder.k_cache[1].view(-1)[:64].view(1, 1, 64))
     swapped = list(weights)
     swapped[14 + 4] = weights[14 + 8]  # layer 1's o_proj as its gate/up projection: K 64 as o_proj's, N 192
     swapped[14 + 5] = weights[14 + 9]

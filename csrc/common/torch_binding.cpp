@@ -807,6 +807,8 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
   TORCH_CHECK_VALUE(h.scalar_type() == at::kFloat && h.dim() >= 1 && h.numel() == h.size(-1),
                     "h: expected one fp32 row [..., H] (a decode step's embedding), got ", h.scalar_type(), " ",
                     h.sizes());
+  TORCH_CHECK_VALUE(heads >= 1 && heads <= std::numeric_limits<int32_t>::max(), "heads: expected 1 <= heads <= ",
+                    std::numeric_limits<int32_t>::max(), ", got ", heads);
   TORCH_CHECK_VALUE(cos.dim() == 2 && position >= 0 && position < cos.size(0), "position: expected 0 <= position < ",
                     cos.dim() == 2 ? cos.size(0) : 0, " (the rows of cos [positions, head_dim]), got ", position,
                     " with cos of shape ", cos.sizes());
@@ -827,6 +829,10 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
       at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
       TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.size(0) > 0 && k_cache.size(2) > 0,
                         "expected [kv_heads, length, head_dim], got shape ", k_cache.sizes());
+      // h is updated in place while the caches are written: an h inside one would take the cache's writes
+      TORCH_CHECK_VALUE(at::get_overlap_status(h, k_cache) == at::MemOverlapStatus::No &&
+                            at::get_overlap_status(h, v_cache) == at::MemOverlapStatus::No,
+                        "h: overlaps the layer's k_cache or v_cache (written in place); pass a copy");
       part = "q/k/v projection";
       at::Tensor qkv = quantized_linear(x, weight(w0 + kQkv), weight(w0 + kQkvScale), bias(w0 + kQkvBias),
                                         c10::nullopt, c10::nullopt, false);

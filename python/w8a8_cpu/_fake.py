@@ -407,6 +407,8 @@ def register() -> None:
         if h.dtype != torch.float32 or h.dim() < 1 or h.numel() != h.shape[-1]:
             raise ValueError(f"h: expected one fp32 row [..., H] (a decode step's embedding), got {h.dtype} "
                              f"{list(h.shape)}")
+        if not 1 <= heads <= 2 ** 31 - 1:
+            raise ValueError(f"heads: expected 1 <= heads <= {2 ** 31 - 1}, got {heads}")
         if cos.dim() != 2 or not 0 <= position < cos.shape[0]:
             raise ValueError(f"position: expected 0 <= position < {cos.shape[0] if cos.dim() == 2 else 0} (the rows "
                              f"of cos [positions, head_dim]), got {position} with cos of shape {list(cos.shape)}")

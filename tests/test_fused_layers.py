@@ -227,7 +227,15 @@ def test_one_op_decode_step_only_where_it_computes_the_loop():
 
     assert not Decoder(tiny_llama()).one_op_step
     assert not Decoder(quantize_model(tiny_llama(), quantize_embedding=True)).one_op_step  # unfused
+
+    class Reduced(W8A8Linear):  # a layer whose forward does more than the op (e.g. a collective)
+        def forward(self, x):
+            return super().forward(x) * 2
+
     model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    changed = copy.deepcopy(model)
+    changed.model.layers[1].self_attn.o_proj.__class__ = Reduced
+    assert not Decoder(changed).one_op_step
     decoder = Decoder(model)
     assert decoder.one_op_step and decoder._step_weights() is not None
     calls = []

@@ -6,7 +6,8 @@ Engines (rows), all on the same token ids from the main job's tokenizer:
   torch.ao dynamic int8  torch.ao.quantization.quantize_dynamic of every Linear but lm_head
   W8A8 eager             w8a8_cpu.nn.quantize_model (every Linear but lm_head), run by transformers
   W8A8 fast path         the main job's W8A8 model (lm_head and embedding as one int8 table, q/k/v and gate/up
-                         fused) through the lean loop w8a8_cpu.llm.decoder.Decoder
+                         fused) through the lean loop w8a8_cpu.llm.decoder.Decoder (each decode step one
+                         decode_step_ op)
   CTranslate2 int8       the float checkpoint converted by ctranslate2 (int8 weights, cached), its own generator
 Measures: decode = new tokens / wall time of one greedy generation from the main job's chat prompt, prompt prefill
 included (as evaluate.greedy times it); prefill = time to the next-token logits of the first --prefill-tokens

@@ -281,9 +281,10 @@ class Decoder:
 
 
 def _plain_w8a8(module) -> bool:
-    """A W8A8Linear / W4A8Linear with per-token dynamic activations (what decode_step_'s GEMMs compute)."""
-    return isinstance(module, W8A8Linear) and module._buffers["input_scale"] is None and \
-        module.symmetric_activations
+    """A W8A8Linear / W4A8Linear with their own forward and per-token dynamic activations (what decode_step_'s GEMMs
+    compute; a subclass with another forward, e.g. one with a collective in it, keeps the loop)."""
+    return isinstance(module, W8A8Linear) and type(module).forward is W8A8Linear.forward and \
+        module._buffers["input_scale"] is None and module.symmetric_activations
 
 
 def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
@@ -294,7 +295,7 @@ def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
     for layer in layers:
         mlp = layer.mlp
         if not (_plain_w8a8(layer.qkv) and _plain_w8a8(layer.o_proj) and isinstance(mlp, W8A8GatedMLP) and
-                _plain_w8a8(mlp.down_proj)):
+                type(mlp).forward is W8A8GatedMLP.forward and _plain_w8a8(mlp.down_proj)):
             return False
         if (layer.heads, layer.kv_heads, layer.head_dim, layer.scaling) != \
                 (first.heads, first.kv_heads, first.head_dim, first.scaling):

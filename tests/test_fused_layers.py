@@ -201,7 +201,7 @@ def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, thre
     options = dict(scheme=scheme, group_size=32, symmetric=False, min_max=True) if scheme == "w4a8" else {}
     model = quantize_model(tiny_llama(model_type), quantize_embedding=True, fuse=True, **options)
     fast, loop = Decoder(model), Decoder(model)
-    assert fast.one_op_step
+    assert fast._step_weights() is not None
     loop.one_op_step = False
     ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(8))
     previous = torch.get_num_threads()
@@ -221,21 +221,33 @@ def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, thre
 
 
 def test_one_op_decode_step_only_where_it_computes_the_loop():
-    """decode_step_ serves fp32 models of fused W8A8 / W4A8 layers with per-token activations; float or unfused models
-    and modules with forward hooks (which an op cannot call) decode through the loop, hooks called."""
+    """decode_step_ serves fp32 models of fused W8A8 / W4A8 layers with per-token activations running their own forward,
+    judged at each greedy call; float or unfused models, a layer with another forward (a subclass's, or one patched on
+    the instance), static activation scales set after the Decoder was built, and modules with forward hooks (which an
+    op cannot call) decode through the loop, hooks called."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    assert not Decoder(tiny_llama()).one_op_step
-    assert not Decoder(quantize_model(tiny_llama(), quantize_embedding=True)).one_op_step  # unfused
+    assert Decoder(tiny_llama())._step_weights() is None
+    assert Decoder(quantize_model(tiny_llama(), quantize_embedding=True))._step_weights() is None  # unfused
 
-    class Reduced(W8A8Linear):  # a layer whose forward does more than the op (e.g. a collective)
+    class Doubled(W8A8Linear):  # a layer whose forward does more than the op (e.g. a collective)
         def forward(self, x):
             return super().forward(x) * 2
 
     model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
     changed = copy.deepcopy(model)
-    changed.model.layers[1].self_attn.o_proj.__class__ = Reduced
-    assert not Decoder(changed).one_op_step
+    changed.model.layers[1].self_attn.o_proj.__class__ = Doubled
+    assert Decoder(changed)._step_weights() is None
+    changed = copy.deepcopy(model)
+    decoder = Decoder(changed)
+    down = changed.model.layers[0].mlp.down_proj
+    down.forward = lambda x, forward=down.forward: forward(x) * 2
+    assert decoder._step_weights() is None
+    changed = copy.deepcopy(model)
+    decoder = Decoder(changed)
+    assert decoder._step_weights() is not None
+    changed.model.layers[1].self_attn.o_proj.set_activations(torch.tensor([0.05]))
+    assert decoder._step_weights() is None
     decoder = Decoder(model)
     assert decoder.one_op_step and decoder._step_weights() is not None
     calls = []
@@ -256,7 +268,8 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
     ops = torch.ops.w8a8_cpu
     decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True))
     decoder.greedy(torch.arange(5), 2)
-    weights = decoder._step_weights()
+    # detached: the norms' Parameters require grad, and the op refuses inputs that do (tested below)
+    weights = [None if w is None else w.detach() for w in decoder._step_weights()]
     first = decoder.layers[0]
 
     def step(h=None, weights=weights, position=3, cos=decoder.cos, heads=first.heads):
@@ -282,8 +295,19 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
         step(weights=swapped)
     missing = list(weights)
     missing[1] = None
-    with pytest.raises(ValueError, match="layer 0, q/k/v projection: weight 1 is None"):
+    with pytest.raises(ValueError, match=r"layer 0, q/k/v projection: weights\[1\] is None"):
         step(weights=missing)
+    missing = weights[:-1] + [None]
+    with pytest.raises(ValueError, match=r"layer 1, the final norm: weights\[28\] is None"):
+        step(weights=missing)
+    with pytest.raises(ValueError, match="layer 0, k_cache: expected contiguous, non-empty caches"):
+        ops.decode_step_(torch.randn(1, 1, 64), weights, [decoder.k_cache[0][:, ::2], decoder.k_cache[1]],
+                         decoder.v_cache, decoder.cos, decoder.sin, 3, first.heads, first.scaling, decoder.norm.eps)
+    with pytest.raises(ValueError, match=r"weights\[7\]: requires grad, but decode_step_ has no gradient"):
+        with torch.enable_grad():
+            grad_weights = list(weights)
+            grad_weights[7] = weights[7].detach().clone().requires_grad_()
+            step(weights=grad_weights)
     if hasattr(torch.library, "opcheck"):
         torch.library.opcheck(ops.decode_step_.default,
                               (torch.randn(1, 1, 64), weights, decoder.k_cache, decoder.v_cache, decoder.cos,

@@ -788,9 +788,10 @@ enum DecodeStepWeight : int64_t {
 };
 
 // One decode step of a pre-norm decoder (Llama family) through every layer, in one op: what the lean decoder's Python
-// loop calls as seven ops a layer (w8a8_cpu.llm.decoder), the same functions in the same order, so the same bits; the
-// per-op dispatch from Python (~8-20 us each, ~210 a token: ~25% of SmolLM2's 1-thread decode) is paid once. h [1, H]
-// (or [1, 1, H]) fp32: the token's embedding, the residual stream, updated in place. Per layer: x = norm(h) (the
+// loop calls as eight ops a layer (w8a8_cpu.llm.decoder), the same functions in the same order, so the same bits; the
+// per-op dispatch from Python (~8-20 us each, ~240 a token: ~25% of SmolLM2's 1-thread decode time) is paid once. h
+// [1, H] (or [1, 1, H]) fp32: the token's embedding, the residual stream, updated in place (as the caches: a step
+// that fails on a layer's input leaves the layers before it applied). Per layer: x = norm(h) (the
 // previous add_rms_norm_'s), qkv = the fused q/k/v GEMM (quantized_linear), rotary on its query and key heads,
 // decode_attention_ at `position` (writing the layer's caches), h += o_proj(attention), x = norm(h), the gated
 // gate/up GEMM, h += down_proj, x = the next norm of h. Returns the final norm's output (the lm_head's input).
@@ -817,22 +818,30 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
   const at::Tensor cos_row = cos.narrow(0, position, 1), sin_row = sin.narrow(0, position, 1);
   auto weight = [&](int64_t i) -> at::Tensor {
     const c10::optional<at::Tensor> t = weights.get(i);
-    TORCH_CHECK_VALUE(t.has_value(), "weight ", i % kWeightsPerLayer, " is None (only biases may be)");
+    TORCH_CHECK_VALUE(t.has_value(), "weights[", i, "] is None (only biases may be)");
     return *t;
   };
   auto bias = [&](int64_t i) -> c10::optional<at::Tensor> { return weights.get(i); };
-  at::Tensor x = rms_norm_rows(h, nullptr, weight(kInputNorm), eps);
+  at::Tensor x;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const char* part = "k_cache";  // what the layer is computing, for its errors
     try {
       const int64_t w0 = layer * kWeightsPerLayer;
       at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
-      TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.size(0) > 0 && k_cache.size(2) > 0,
-                        "expected [kv_heads, length, head_dim], got shape ", k_cache.sizes());
+      // (kv_heads bounded before heads + kv_heads below; decode_attention_op checks the rest of both caches)
+      TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.numel() > 0 &&
+                            k_cache.size(0) <= std::numeric_limits<int32_t>::max() && k_cache.is_contiguous() &&
+                            v_cache.is_contiguous(),
+                        "expected contiguous, non-empty caches [kv_heads, length, head_dim] (kv_heads < 2^31), got "
+                        "k_cache of shape ", k_cache.sizes(), " and strides ", k_cache.strides());
       // h is updated in place while the caches are written: an h inside one would take the cache's writes
       TORCH_CHECK_VALUE(at::get_overlap_status(h, k_cache) == at::MemOverlapStatus::No &&
                             at::get_overlap_status(h, v_cache) == at::MemOverlapStatus::No,
                         "h: overlaps the layer's k_cache or v_cache (written in place); pass a copy");
+      if (layer == 0) {
+        part = "input norm";
+        x = rms_norm_rows(h, nullptr, weight(kInputNorm), eps);
+      }
       part = "q/k/v projection";
       at::Tensor qkv = quantized_linear(x, weight(w0 + kQkv), weight(w0 + kQkvScale), bias(w0 + kQkvBias),
                                         c10::nullopt, c10::nullopt, false);

@@ -170,9 +170,12 @@ def _refuse_gradient(op: str):
     def kernel(*args, **kwargs):
         if torch.is_grad_enabled():
             for name, value in [*zip(names, args), *kwargs.items()]:
-                if isinstance(value, torch.Tensor) and value.requires_grad:
-                    raise ValueError(f"{name}: requires grad, but {op} {_INFERENCE_ONLY}; call it under "
-                                     f"torch.no_grad() or torch.inference_mode()")
+                # list arguments too (decode_step_'s weights hold the norms' Parameters)
+                for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        where = f"{name}[{i}]" if isinstance(value, (list, tuple)) else name
+                        raise ValueError(f"{where}: requires grad, but {op} {_INFERENCE_ONLY}; call it under "
+                                         f"torch.no_grad() or torch.inference_mode()")
         with torch._C._AutoDispatchBelowAutograd():
             return overload(*args, **kwargs)
 

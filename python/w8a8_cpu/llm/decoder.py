@@ -6,8 +6,8 @@ a small model's decode rate is set by that overhead, not by the kernels. Decoder
 model object (its W8A8 linears, norms' weights, rotary tables, embedding and lm_head) in one flat loop: a static KV
 cache allocated once, rotary cos/sin computed once for every position, the fused q/k/v and gate/up GEMMs of
 fuse_projections, and the lm_head on the last position only; a decode step of an fp32 model whose layers are fused
-W8A8 / W4A8 ones runs the loop's ops for every layer as one op (decode_step_: the same bits, without ~210 Python
-dispatches a token, ~20% of SmolLM2's decode). It is an inference path, not a new model: every
+W8A8 / W4A8 ones runs the loop's ops for every layer as one op (decode_step_: the same bits, without ~240 Python
+dispatches a token, ~25% of SmolLM2's 1-thread decode time). It is an inference path, not a new model: every
 weight is the model's own, and its logits follow the model's (tests compare them over a text: perplexity and top-1
 agreement, the statistical gate a whole W8A8 model needs; greedy tokens follow the model's own argmax).
 
@@ -69,9 +69,6 @@ class _Layer:
             self.qkv = lambda x: torch.cat([q(x), k(x), v(x)], dim=-1)
         self.o_proj = attn.o_proj
         self.mlp = layer.mlp
-        # the modules the loop calls (Decoder._step_weights: forward hooks on them)
-        self.modules = [m for m in (self.qkv, self.o_proj, self.mlp, getattr(self.mlp, "down_proj", None))
-                        if isinstance(m, torch.nn.Module)]
         self.scaling = float(attn.scaling)
         self.head_dim = int(attn.head_dim)
         self.heads = config.num_attention_heads
@@ -84,9 +81,10 @@ class Decoder:
     decoder.logits(ids, last) -> the last `last` positions' logits (perplexity); decoder.hidden(ids) -> the lm_head's
     input at every position. Calls on one Decoder from several threads run one at a time: they share its KV cache
     (unguarded, two threads' prompts overwrote each other's keys: wrong logits, silently); give each thread a Decoder
-    of its own to run them side by side (the model's weights are shared, not copied). one_op_step: whether its decode
-    steps run as one decode_step_ op (fp32, fused W8A8 / W4A8 layers with per-token activations; set it False to run
-    the loop's ops one by one, the same bits)."""
+    of its own to run them side by side (the model's weights are shared, not copied). one_op_step (default True): a
+    greedy call runs its decode steps as one decode_step_ op each where the model, at that call, allows it (fp32,
+    fused W8A8 / W4A8 layers with per-token activations running their own forward, no forward hooks), else the loop;
+    False: always the loop's ops one by one (the same bits)."""
 
     def __init__(self, model: torch.nn.Module):
         config = getattr(model, "config", None)
@@ -127,7 +125,7 @@ class Decoder:
                              f"dimensions (partial_rotary_factor); Decoder rotates whole heads; use model.generate")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self._model, self._parts = model, _parts(model)
-        self.one_op_step = self.dtype == torch.float32 and _one_op_step_layers(self.layers, self.norm)
+        self.one_op_step = True  # decode steps through decode_step_ where the model allows (see _step_weights)
         self._cache_len = 0
         self._cache_lock = threading.Lock()  # held by every call that sizes, writes or reads the KV cache
 
@@ -206,13 +204,12 @@ class Decoder:
         return x[0]
 
     def _step_weights(self) -> Optional[list]:
-        """decode_step_'s weights where it computes this model's decode steps (one_op_step, and no forward hooks on
-        the modules the loop would call: the op calls no module, a hook would not run), else None: per layer its input
-        norm, q/k/v, o_proj, post-attention norm, gate/up and down (packed weight, scales, bias or None each), then the
-        final norm, read from the modules as the loop reads them."""
-        modules = torch.nn.modules.module
-        if not self.one_op_step or modules._global_forward_hooks or modules._global_forward_pre_hooks or any(
-                m._forward_hooks or m._forward_pre_hooks for layer in self.layers for m in layer.modules):
+        """decode_step_'s weights where it computes this model's decode step as the loop would, judged on the modules
+        as they are now (a greedy call asks once; static activation scales or hooks may have come since the Decoder
+        was built), else None (one_op_step False, or see _one_op_step_layers): per layer its input norm, q/k/v,
+        o_proj, post-attention norm, gate/up and down (packed weight, scales, bias or None each), then the final norm,
+        read from the modules as the loop reads them."""
+        if not (self.one_op_step and self.dtype == torch.float32 and _one_op_step_layers(self.layers, self.norm)):
             return None
         weights = []
         for layer in self.layers:
@@ -280,22 +277,33 @@ class Decoder:
         return out
 
 
+def _runs_its_own_forward(module, cls) -> bool:
+    """An instance of cls running cls's forward and nothing else: not a subclass's forward (e.g. one with a collective in
+    it), not one patched onto the instance (accelerate's hooks do that), no forward hooks."""
+    return isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in module.__dict__ and \
+        not (module._forward_hooks or module._forward_pre_hooks)
+
+
 def _plain_w8a8(module) -> bool:
-    """A W8A8Linear / W4A8Linear with their own forward and per-token dynamic activations (what decode_step_'s GEMMs
-    compute; a subclass with another forward, e.g. one with a collective in it, keeps the loop)."""
-    return isinstance(module, W8A8Linear) and type(module).forward is W8A8Linear.forward and \
-        module._buffers["input_scale"] is None and module.symmetric_activations
+    """A W8A8Linear / W4A8Linear computing what decode_step_'s GEMMs compute: its own forward, per-token dynamic
+    activations."""
+    return _runs_its_own_forward(module, W8A8Linear) and module._buffers["input_scale"] is None and \
+        module.symmetric_activations
 
 
 def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
-    """Whether decode_step_ computes these layers' decode step: fused q/k/v and gate/up GEMMs of W8A8 / W4A8 layers with
-    per-token activations (quantize_model(..., fuse=True)), one attention geometry and one norm epsilon in every
-    layer."""
+    """Whether decode_step_ computes these layers' decode step as the loop would, now: fused q/k/v and gate/up GEMMs of
+    W8A8 / W4A8 layers running their own forward with per-token activations (quantize_model(..., fuse=True)), one
+    attention geometry and one norm epsilon in every layer, and no global forward hooks (the op calls no module: a
+    hook would not run)."""
+    modules = torch.nn.modules.module
+    if modules._global_forward_hooks or modules._global_forward_pre_hooks:
+        return False
     first = layers[0]
     for layer in layers:
         mlp = layer.mlp
-        if not (_plain_w8a8(layer.qkv) and _plain_w8a8(layer.o_proj) and isinstance(mlp, W8A8GatedMLP) and
-                type(mlp).forward is W8A8GatedMLP.forward and _plain_w8a8(mlp.down_proj)):
+        if not (_plain_w8a8(layer.qkv) and _plain_w8a8(layer.o_proj) and _runs_its_own_forward(mlp, W8A8GatedMLP) and
+                _plain_w8a8(mlp._modules.get("down_proj"))):
             return False
         if (layer.heads, layer.kv_heads, layer.head_dim, layer.scaling) != \
                 (first.heads, first.kv_heads, first.head_dim, first.scaling):

@@ -412,6 +412,14 @@ def register() -> None:
         if cos.dim() != 2 or not 0 <= position < cos.shape[0]:
             raise ValueError(f"position: expected 0 <= position < {cos.shape[0] if cos.dim() == 2 else 0} (the rows "
                              f"of cos [positions, head_dim]), got {position} with cos of shape {list(cos.shape)}")
+        if sin.shape != cos.shape:
+            raise ValueError(f"sin: expected the shape of cos, {list(cos.shape)}, got {list(sin.shape)}")
+        for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+            if k_cache.dim() != 3 or k_cache.numel() == 0 or k_cache.shape[0] > 2 ** 31 - 1 or \
+                    not k_cache.is_contiguous() or not v_cache.is_contiguous():
+                raise ValueError(f"layer {layer}, k_cache: expected contiguous, non-empty caches [kv_heads, length, "
+                                 f"head_dim] (kv_heads < 2^31), got k_cache of shape {list(k_cache.shape)} and "
+                                 f"strides {list(k_cache.stride())}")
         return h.new_empty(h.shape)
 
     @register_fake("w8a8_cpu::pack_weight")

@@ -278,7 +278,8 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
                                 first.scaling, decoder.norm.eps)
 
     assert step().shape == (1, 1, 64)
-    with pytest.raises(ValueError, match="weights: expected 14 a layer .2 layers. and the final norm's, 29 in all, got 28"):
+    with pytest.raises(ValueError,
+                       match="weights: expected 14 a layer .2 layers. and the final norm's, 29 in all, got 28"):
         step(weights=weights[:-1])
     with pytest.raises(ValueError, match="position: expected 0 <= position < 6"):
         step(position=6)

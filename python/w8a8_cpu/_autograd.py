@@ -7,8 +7,8 @@ cast to the input's dtype. Weights, scales and biases are frozen. per_token_quan
 no useful gradient. Backward through any op raises ValueError naming the input that asked for a gradient it does
 not get, instead of leaving that gradient None. (pack_weight takes only int8, which cannot require grad.) The lean
 decode loop's layer ops have no gradient either: rms_norm and causal_attention raise at backward; the in-place ones
-(add_rms_norm_, rotary_embedding_, decode_attention_, decode_step_: torch registers no autograd formula for an op that mutates its
-input) raise at the call when an input requires grad with grad mode on.
+(add_rms_norm_, rotary_embedding_, decode_attention_, decode_step_: torch registers no autograd formula for an op that
+mutates its input) raise at the call when an input, or a tensor of a list input, requires grad with grad mode on.
 
 Older torch keeps the ops without autograd formulas: their outputs then do not carry gradients."""
 from __future__ import annotations

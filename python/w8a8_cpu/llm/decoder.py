@@ -278,8 +278,8 @@ class Decoder:
 
 
 def _runs_its_own_forward(module, cls) -> bool:
-    """An instance of cls running cls's forward and nothing else: not a subclass's forward (e.g. one with a collective in
-    it), not one patched onto the instance (accelerate's hooks do that), no forward hooks."""
+    """An instance of cls running cls's forward and nothing else: not a subclass's forward (e.g. one with a collective
+    in it), not one patched onto the instance (accelerate's hooks do that), no forward hooks."""
     return isinstance(module, cls) and type(module).forward is cls.forward and "forward" not in module.__dict__ and \
         not (module._forward_hooks or module._forward_pre_hooks)
 

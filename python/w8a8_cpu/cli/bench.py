@@ -141,7 +141,10 @@ def ort_linear(w: torch.Tensor, reduce_range: bool, threads: int):
         [numpy_helper.from_array(w.t().contiguous().numpy(), "W")])
     with tempfile.TemporaryDirectory() as tmp:
         fp32_path, int8_path = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(fp32_path))
+        # The file format's IR version is pinned to 8 (opset 17's): onnx otherwise writes its own newest, which an
+        # older installed ONNX Runtime refuses to load (onnx 1.23 writes IR 14, ONNX Runtime 1.30 reads up to 13).
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        onnx.save(model, str(fp32_path))
         logging_level = logging.getLogger().level
         logging.getLogger().setLevel(logging.ERROR)  # quantize_dynamic logs a pre-processing hint on the root logger
         try:

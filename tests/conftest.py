@@ -61,6 +61,18 @@ def require_optional(available: bool, hint: str) -> None:
 
 
 @contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op thread count n inside the block, the previous count restored after it (also when the block
+    fails, so that one test's count never leaks into the next)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
 def alarm(seconds: int, what: str):
     """Raises TimeoutError(what) in the main thread after `seconds` (SIGALRM): a regression that blocks (a FIFO opened
     for reading, a lock never released) fails its test instead of hanging the suite."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import w8a8_cpu
+from conftest import intra_op_threads
 
 THREADS = 8
 SECONDS = 1.5     # per variant: each thread repeats the whole op list until this much time has passed ...
@@ -78,12 +79,8 @@ def _identical(a, b):
 def test_ops_from_many_threads_bit_identical(variant, gen):
     cases, inputs = _cases(gen)
     snapshot = [t.clone() for t in inputs]
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # the reference: one Python thread, one intra-op thread
+    with intra_op_threads(1):  # the reference: one Python thread, one intra-op thread
         want = {name: _as_tuple(call()) for name, call in cases.items()}
-    finally:
-        torch.set_num_threads(previous)
 
     barrier = threading.Barrier(THREADS)
     errors, rounds = [], [0] * THREADS

@@ -9,6 +9,7 @@ import torch
 import w8a8_cpu
 from w8a8_cpu.nn import (W8A8Embedding, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, fuse_projections,
                          quantize_model)
+from conftest import intra_op_threads
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,9 +205,7 @@ def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, thre
     assert fast._step_weights() is not None
     loop.one_op_step = False
     ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(8))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with intra_op_threads(threads):
         tokens = fast.greedy(ids, 15)
         assert loop.greedy(ids, 15) == tokens
         for layer in range(2):
@@ -216,8 +215,6 @@ def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, thre
         with torch.inference_mode():
             step = torch.tensor([tokens[-1]])
             assert torch.equal(fast._forward(step, 36, fast._step_weights()), loop._forward(step, 36))
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_one_op_decode_step_only_where_it_computes_the_loop():

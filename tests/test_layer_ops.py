@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import w8a8_cpu  # noqa: F401  (registers torch.ops.w8a8_cpu)
+from conftest import intra_op_threads
 
 ops = torch.ops.w8a8_cpu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -20,15 +21,6 @@ def rms_norm_reference(x, weight, eps):
     return weight.double() * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def with_threads(n, fn):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(previous)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 576), (3, 70, 37), (2, 16)])
 def test_rms_norm_equals_the_formula(dtype, shape):
@@ -39,7 +31,8 @@ def test_rms_norm_equals_the_formula(dtype, shape):
     assert got.dtype == dtype and got.shape == x.shape
     expected = rms_norm_reference(x, weight, 1e-5)
     torch.testing.assert_close(got.double(), expected, rtol=RTOL[dtype], atol=1e-6)
-    assert torch.equal(with_threads(2, lambda: ops.rms_norm(x, weight, 1e-5)), got)  # rows are independent
+    with intra_op_threads(2):
+        assert torch.equal(ops.rms_norm(x, weight, 1e-5), got)  # rows are independent
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,7 +81,8 @@ def test_prompt_attention_equals_sdpa(t, threads):
     g = torch.Generator().manual_seed(t)
     q = torch.randn(t, 10, 16, generator=g)[:, :6]
     k, v = (torch.randn(2, t, 16, generator=g) for _ in range(2))
-    got = with_threads(threads, lambda: ops.causal_attention(q, k, v, 0.3))
+    with intra_op_threads(threads):
+        got = ops.causal_attention(q, k, v, 0.3)
     assert got.shape == (t, 6, 16) and got.is_contiguous()
     torch.testing.assert_close(got.double(), attention_reference(q, k, v, 0.3), rtol=0, atol=2e-6)
 
@@ -104,7 +98,8 @@ def test_decode_attention_writes_the_caches_and_attends(position, threads):
     k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
     qkv = torch.randn(heads + 2 * kv_heads, d, generator=g)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    got = with_threads(threads, lambda: ops.decode_attention_(qkv, k_cache, v_cache, position, heads, 0.3))
+    with intra_op_threads(threads):
+        got = ops.decode_attention_(qkv, k_cache, v_cache, position, heads, 0.3)
     assert got.shape == (heads, d) and got.is_contiguous()
     assert torch.equal(k_cache[:, position], qkv[heads:heads + kv_heads])
     assert torch.equal(v_cache[:, position], qkv[heads + kv_heads:])
@@ -115,8 +110,8 @@ def test_decode_attention_writes_the_caches_and_attends(position, threads):
     q_all[-1] = qkv[:heads]
     want = attention_reference(q_all, k_cache[:, :keys], v_cache[:, :keys], 0.3)[-1]
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
-    again = with_threads(3 - threads, lambda: ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position,
-                                                                   heads, 0.3))
+    with intra_op_threads(3 - threads):
+        again = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
     assert torch.equal(again, got)
 
 

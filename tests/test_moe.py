@@ -5,6 +5,7 @@ import torch
 
 import w8a8_cpu
 from w8a8_cpu import reference
+from conftest import intra_op_threads
 
 
 def make_moe(m, h, inter, experts, topk, gen, dtype=torch.bfloat16, ids_dtype=torch.int64, skew=False):
@@ -84,12 +85,8 @@ def test_fused_experts_bit_identical_across_variants_and_threads(weights):
     for name in w8a8_cpu.info()["runnable_variants"]:
         with w8a8_cpu.use_variant(name):
             outputs.append(run(moe_args()))
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         outputs.append(run(moe_args()))
-    finally:
-        torch.set_num_threads(previous)
     for out in outputs[1:]:
         assert torch.equal(out, outputs[0])
 

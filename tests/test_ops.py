@@ -8,7 +8,7 @@ import w8a8_cpu
 from w8a8_cpu import reference
 from w8a8_cpu._packed_weight import packed_weight_nbytes
 
-from conftest import EMULATED
+from conftest import EMULATED, intra_op_threads
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 MS = [1, 2, 3, 5, 17, 64, 257]
@@ -138,16 +138,12 @@ def test_threads_bit_identical(variant, gen):
     x = torch.randn(70, 512, generator=gen)
     w_q, w_scale = random_weight(1000, 512, gen)
     w = w8a8_cpu.pack_weight(w_q)
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with intra_op_threads(1):
         one = w8a8_cpu.int8_scaled_mm_with_quant(x, w, w_scale)
         one_q = w8a8_cpu.per_token_quant_int8(x)
-        torch.set_num_threads(max(2, previous))
+    with intra_op_threads(max(2, torch.get_num_threads())):
         many = w8a8_cpu.int8_scaled_mm_with_quant(x, w, w_scale)
         many_q = w8a8_cpu.per_token_quant_int8(x)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(one, many)
     assert torch.equal(one_q[0], many_q[0]) and torch.equal(one_q[1], many_q[1])
 
@@ -364,15 +360,10 @@ def test_gated_mm_bit_identical_across_variants_and_threads(gen):
     x = torch.randn(37, 300, generator=gen)
     with w8a8_cpu.use_variant("ref"):
         expected = w8a8_cpu.int8_gated_mm_with_quant(x, w_q, w_scale)
-    threads = torch.get_num_threads()
-    try:
-        for variant in w8a8_cpu.info()["runnable_variants"]:
-            for t in {1, 2, threads}:
-                torch.set_num_threads(t)
-                with w8a8_cpu.use_variant(variant):
-                    assert torch.equal(w8a8_cpu.int8_gated_mm_with_quant(x, w_q, w_scale), expected), (variant, t)
-    finally:
-        torch.set_num_threads(threads)
+    for variant in w8a8_cpu.info()["runnable_variants"]:
+        for t in {1, 2, torch.get_num_threads()}:
+            with intra_op_threads(t), w8a8_cpu.use_variant(variant):
+                assert torch.equal(w8a8_cpu.int8_gated_mm_with_quant(x, w_q, w_scale), expected), (variant, t)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4 g32 minimums"])
@@ -392,19 +383,15 @@ def test_gated_mm_rows_equal_each_row_alone(variant, scheme, m, inter, k, gen):
     w_scale = torch.rand(n, generator=gen) + 0.5
     bias = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen)
-    threads = torch.get_num_threads()
     whole = {}
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
+    for t in (1, 2):
+        with intra_op_threads(t):
             for dtype in (torch.float32, torch.bfloat16):
                 rows = x.to(dtype)
                 whole[dtype] = w8a8_cpu.int8_gated_mm_with_quant(rows, blob, w_scale, bias, dtype)
                 alone = torch.cat([w8a8_cpu.int8_gated_mm_with_quant(rows[i:i + 1], blob, w_scale, bias, dtype)
                                    for i in range(m)])
                 assert torch.equal(whole[dtype], alone), (t, dtype)
-    finally:
-        torch.set_num_threads(threads)
     ideal = silu_mul_reference(w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale, bias))
     torch.testing.assert_close(whole[torch.float32].double(), ideal, rtol=2e-6, atol=1e-6 * float(ideal.abs().max()))
 

@@ -120,6 +120,10 @@ def _ao_engine() -> str:
     return torch.backends.quantized.engine
 
 
+# A candidate's reason for being left out, as printed and stored: one line of the report
+MAX_REASON_CHARS = 300
+
+
 def ort_linear(w: torch.Tensor, reduce_range: bool, threads: int):
     """ONNX Runtime's dynamic int8 MatMul of x [M, K] by w.T (per-channel int8 weights, u8 activations with a zero
     point, MLAS kernels): quantize_dynamic of a one-MatMul float model. Returns fn(x float32 numpy) -> numpy.
@@ -191,9 +195,11 @@ def linear_candidates(n: int, k: int, gen: torch.Generator, errors: Dict[str, st
             ort_fns[name] = ort_linear(w, reduce_range, torch.get_num_threads())
         except ImportError as e:  # optional: pip install 'w8a8-cpu[bench]'
             errors[name] = f"{type(e).__name__}: {e} (pip install 'w8a8-cpu[bench]')"
-        except Exception as e:  # installed but refusing (an onnx / onnxruntime pair that disagree): a peer's row, the
-            # others run on; its message's first line, which names the cause (ONNX Runtime's go on with a C++ trace)
-            errors[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+        except Exception as e:
+            # Installed but refusing (an onnx and an ONNX Runtime that disagree): this row says why, the other
+            # candidates still run. The message's first line names the cause; ONNX Runtime's go on with a C++ trace.
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            errors[name] = f"{type(e).__name__}: {first_line[:MAX_REASON_CHARS]}"
     dyn = None
     try:
         dyn = ao_dynamic(torch.nn.Sequential(linear))

@@ -60,6 +60,20 @@ def require_optional(available: bool, hint: str) -> None:
     pytest.skip(f"not installed: {hint}")
 
 
+def cmake_build(build, *options: str, target: str = "") -> str:
+    """Configures this source tree into the folder `build` with `options` (-D..., -G ...) and builds it (only
+    `target` when given) on 2 jobs; a failing step fails the test with the end of its output. Returns what the
+    configure step printed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    configure = subprocess.run(["cmake", "-S", root, "-B", str(build), *options], capture_output=True, text=True,
+                               timeout=300)
+    assert configure.returncode == 0, configure.stdout[-4000:] + configure.stderr[-4000:]
+    built = subprocess.run(["cmake", "--build", str(build), "-j", "2", *(["--target", target] if target else [])],
+                           capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    return configure.stdout
+
+
 @contextlib.contextmanager
 def intra_op_threads(n: int):
     """torch's intra-op thread count n inside the block, the previous count restored after it (also when the block

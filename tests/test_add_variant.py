@@ -9,11 +9,11 @@ interface, not assumed."""
 import shutil
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import cmake_build
+
 pytestmark = [
     pytest.mark.slow_under_emulation,  # a native CMake build of the kernel library and its tests (~1 min)
     pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("c++") is None,
@@ -49,16 +49,11 @@ def test_one_file_and_one_cmake_call_add_a_dispatched_exact_variant(tmp_path):
           PROBE {tmp_path / 'probe.cpp'} SOURCES {tmp_path / 'throwaway.cpp'})
         """))
     build = tmp_path / "build"
-    configure = subprocess.run(
-        ["cmake", "-S", str(ROOT), "-B", str(build), "-DW8A8_CPU_BUILD_TORCH_OPS=OFF",
-         "-DW8A8_CPU_BUILD_KERNEL_TESTS=ON", f"-DW8A8_CPU_EXTRA_VARIANTS={tmp_path / 'extra.cmake'}"],
-        capture_output=True, text=True, timeout=300)
-    assert configure.returncode == 0, configure.stdout + configure.stderr
-    assert "throwaway" in configure.stdout
+    configured = cmake_build(build, "-DW8A8_CPU_BUILD_TORCH_OPS=OFF", "-DW8A8_CPU_BUILD_KERNEL_TESTS=ON",
+                             f"-DW8A8_CPU_EXTRA_VARIANTS={tmp_path / 'extra.cmake'}")
+    assert "throwaway" in configured
     table = (build / "generated" / "variant_table.inc").read_text()
     assert "W8A8_CPU_VARIANT(throwaway, kThrowawayKernel, 900)" in table
-    built = subprocess.run(["cmake", "--build", str(build), "-j", "2"], capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
     run = subprocess.run([str(build / "w8a8_kernel_tests"), "--shapes", "60", "--expect-selected", "throwaway"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr

@@ -10,13 +10,12 @@ import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import w8a8_cpu
+from conftest import cmake_build
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
     pytest.mark.slow_under_emulation,  # a native CMake build of the op library (~1 min on 2 cores)
     # GCC: the toolchain the fix is for (CMakeLists.txt names libstdc++ for GNU compilers)
@@ -27,15 +26,9 @@ pytestmark = [
 def test_op_library_built_with_a_static_cxx_runtime_prints_right(tmp_path):
     build = tmp_path / "build"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = subprocess.run(
-        ["cmake", "-S", str(ROOT), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release",
-         "-DCMAKE_CXX_COMPILER=g++", f"-DPython_EXECUTABLE={sys.executable}",
-         "-DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++"],
-        capture_output=True, text=True, timeout=300)
-    assert configure.returncode == 0, configure.stdout[-4000:] + configure.stderr[-4000:]
-    built = subprocess.run(["cmake", "--build", str(build), "--target", "w8a8_cpu_ops", "-j", "2"],
-                           capture_output=True, text=True, timeout=900)
-    assert built.returncode == 0, built.stdout[-4000:] + built.stderr[-4000:]
+    cmake_build(build, *generator, "-DCMAKE_BUILD_TYPE=Release", "-DCMAKE_CXX_COMPILER=g++",
+                f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_SHARED_LINKER_FLAGS=-static-libstdc++",
+                target="w8a8_cpu_ops")
     library = build / "libw8a8_cpu_ops.so"
     # A fresh interpreter that loads only this library (not the installed package's), as the package's loader does.
     run = subprocess.run(

@@ -220,6 +220,22 @@ void seal(uint8_t* blob, int64_t nbytes) {
   std::memcpy(blob + kChecksumOffset, &checksum, sizeof checksum);
 }
 
+// Calls emit(e, j, v) for every element of panel p in the panel's own order, e = layout.index(k, j) = 0, 1, 2, ...: v
+// the weight at row p * nr + j, column k of w [n, k] (rows ldw apart), 0 in the padding. The packers' one walk over a
+// panel: sequential writes and no division per element (layout.index per element took ~7-9 ns an element: ~60 s to
+// pack a 7B model's int4 weights on one core).
+template <typename Emit>
+void for_each_panel_element(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PanelLayout layout, int64_t k_padded,
+                            int64_t p, Emit&& emit) {
+  int64_t e = 0;
+  for (int64_t k0 = 0; k0 < k_padded; k0 += layout.kr)
+    for (int j = 0; j < layout.nr; ++j) {
+      const int64_t row = p * layout.nr + j;
+      const int8_t* src = row < n ? w + row * ldw : nullptr;
+      for (int t = 0; t < layout.kr; ++t, ++e) emit(e, j, src && k0 + t < k ? src[k0 + t] : int8_t{0});
+    }
+}
+
 }  // namespace
 
 void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t k, int64_t ldw, uint8_t* blob,
@@ -233,16 +249,12 @@ void pack_weight(const MicroKernel& kernel, const int8_t* w, int64_t n, int64_t 
   parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       int8_t* panel = panels + p * sizes.panel_bytes;
-      for (int j = 0; j < nr; ++j) {
-        const int64_t row = p * nr + j;
-        int32_t sum = 0;
-        for (int64_t kk = 0; kk < sizes.k_padded; ++kk) {
-          const int8_t v = (row < n && kk < k) ? w[row * ldw + kk] : 0;
-          panel[layout.index(kk, j)] = v;
-          sum += v;
-        }
-        std::memcpy(col_sums + row * 4, &sum, 4);
-      }
+      int32_t sums[kMaxPanelWidth] = {};
+      for_each_panel_element(w, n, k, ldw, layout, sizes.k_padded, p, [&](int64_t e, int j, int8_t v) {
+        panel[e] = v;
+        sums[j] += v;
+      });
+      std::memcpy(col_sums + p * nr * 4, sums, static_cast<size_t>(nr) * 4);
     }
   });
   seal(blob, sizes.nbytes);
@@ -273,13 +285,11 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
     for (int64_t p = p0; p < p1; ++p) {
       uint8_t* panel = panels + p * sizes.panel_bytes;
       std::memset(panel, 0, static_cast<size_t>(sizes.panel_bytes));
+      for_each_panel_element(q, n, k, ldq, layout, sizes.k_padded, p, [&](int64_t e, int, int8_t v) {
+        panel[nibble_byte(e)] |= static_cast<uint8_t>((v + 8) << nibble_shift(e));
+      });
       for (int j = 0; j < nr; ++j) {
         const int64_t row = p * nr + j;
-        for (int64_t kk = 0; kk < sizes.k_padded; ++kk) {
-          const int64_t e = layout.index(kk, j);
-          const int u = ((row < n && kk < k) ? q[row * ldq + kk] : 0) + 8;
-          panel[nibble_byte(e)] |= static_cast<uint8_t>(u << nibble_shift(e));
-        }
         for (int64_t g = 0; g < sizes.groups; ++g) {  // [groups][nr] per panel; padded channels 0
           const float scale = row < n ? scales[row * sizes.groups + g] : 0.f;
           uint8_t* scale_at = panel + sizes.nibble_bytes + (g * nr + j) * int4_scale_bytes(half);

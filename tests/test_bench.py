@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import python_command
+from w8a8_cpu.cli.timing import interleaved
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -163,3 +164,21 @@ def test_a_peer_that_refuses_is_a_reason_not_the_end_of_the_bench(monkeypatch):
     assert errors[bench.ORT] == errors[bench.ORT_RR] == reason
     assert bench.ORT not in fns and bench.ORT_RR not in fns
     assert {bench.OURS, bench.W4A8, bench.FP32} <= set(fns) and 1e-3 < errs[bench.OURS] < 3e-2, errs
+
+
+def test_interleaved_rounds_vary_their_order():
+    """Every round times every candidate once, each round in its own order, so no candidate always follows the same
+    one (the one after the slowest starts cold: in a fixed order the read reference always handed its cold caches to
+    the first GEMV row)."""
+    calls = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "abcde"}
+    values = interleaved(candidates, rounds=8, warmup=1)
+    assert {name: len(v) for name, v in values.items()} == {name: 8 for name in "abcde"}
+    assert calls[:5] == list("abcde")  # the warm-up round
+    rounds = [calls[i:i + 5] for i in range(5, len(calls), 5)]
+    assert all(sorted(r) == list("abcde") for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1
+    assert len({r[r.index("e") + 1] for r in rounds if r[-1] != "e"}) > 1, "'e' is followed by different candidates"
+    calls.clear()
+    interleaved(candidates, rounds=8, warmup=0)
+    assert [calls[i:i + 5] for i in range(0, len(calls), 5)] == rounds, "the same orders on every run"

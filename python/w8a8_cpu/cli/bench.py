@@ -1,8 +1,9 @@
 """python -m w8a8_cpu bench: W8A8 linear and fused MoE vs torch baselines on shapes from real models.
 
 Every number comes from one run: the same process, the same torch thread count, candidates timed in interleaved
-repetitions (round r times every candidate once before round r+1 starts, so drift and noise from other jobs hit
-all of them alike) after warm-up, median of the repetitions. It prints (and with --json writes) results only; the
+repetitions (round r times every candidate once, in an order of its own, before round r+1 starts, so drift and noise
+from other jobs hit all of them alike and no candidate always runs right after the slowest) after warm-up, median of
+the repetitions. It prints (and with --json writes) results only; the
 project's performance targets are benchmarks/targets.py's, computed from that JSON. Nothing here asserts a timing.
 
 Linear candidates (fp32 activations unless noted; weights made once per shape):

@@ -2,6 +2,7 @@
 progress bar on stderr."""
 from __future__ import annotations
 
+import random
 import statistics
 import sys
 import time
@@ -14,15 +15,21 @@ def interleaved(candidates: Dict[str, Callable[[], object]], rounds: int, warmup
                 samples: int = 1, on_round: Optional[Callable[[int], None]] = None) -> Dict[str, List[float]]:
     """Seconds per call of each candidate, one value per round: `warmup` untimed rounds, then `rounds` rounds, each
     timing every candidate once before the next round starts, so drift and noise from other jobs hit all of them
-    alike. A candidate's value in a round is the median of `samples` timings of `inner` back-to-back calls each
-    (divided by `inner`: for calls too short for one clock read). on_round(r) runs after round r (from 1)."""
+    alike. Each round times them in its own order (a fixed shuffle per round): whatever runs right after the slowest
+    candidate (a 256 MiB read, a stack of layers streamed through every cache) starts cold, and in one fixed order that
+    was always the same one (bench's 192x576 GEMV right after the read reference: 0.3 ms against 0.04 ms elsewhere).
+    A candidate's value in a round is the median of `samples` timings of `inner` back-to-back calls each (divided by
+    `inner`: for calls too short for one clock read). on_round(r) runs after round r (from 1)."""
     values: Dict[str, List[float]] = {name: [] for name in candidates}
     with torch.inference_mode():
         for _ in range(warmup):
             for fn in candidates.values():
                 fn()
         for r in range(rounds):
-            for name, fn in candidates.items():
+            order = list(candidates)
+            random.Random(r).shuffle(order)
+            for name in order:
+                fn = candidates[name]
                 timings = []
                 for _ in range(samples):
                     t0 = time.perf_counter()

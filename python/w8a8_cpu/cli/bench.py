@@ -3,8 +3,8 @@
 Every number comes from one run: the same process, the same torch thread count, candidates timed in interleaved
 repetitions (round r times every candidate once, in an order of its own, before round r+1 starts, so drift and noise
 from other jobs hit all of them alike and no candidate always runs right after the slowest) after warm-up, median of
-the repetitions. It prints (and with --json writes) results only; the
-project's performance targets are benchmarks/targets.py's, computed from that JSON. Nothing here asserts a timing.
+the repetitions. It prints (and with --json writes) results only; the project's performance targets are
+benchmarks/targets.py's, computed from that JSON. Nothing here asserts a timing.
 
 Linear candidates (fp32 activations unless noted; weights made once per shape):
   w8a8_cpu        w8a8_cpu.nn.W8A8Linear: fused per-token quant + int8 GEMM on packed weights, fp32 in/out

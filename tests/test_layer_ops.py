@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-import w8a8_cpu  # noqa: F401  (registers torch.ops.w8a8_cpu)
+import w8a8_cpu  # also registers torch.ops.w8a8_cpu
 from conftest import intra_op_threads
 
 ops = torch.ops.w8a8_cpu
@@ -113,6 +113,22 @@ def test_decode_attention_writes_the_caches_and_attends(position, threads):
     with intra_op_threads(3 - threads):
         again = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
+def test_decode_attention_has_the_reference_variants_bits(variant, d):
+    """Every variant's decode attention (x86: 8 keys' dot products at once, values in registers over tiles of keys,
+    for head dims that are multiples of 16) gives the bits of the reference variant's (activation.h's row), at key
+    counts around its blocks and tiles."""
+    g = torch.Generator().manual_seed(d)
+    heads, kv_heads, length = 6, 2, 300
+    k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
+    qkv = torch.randn(heads + 2 * kv_heads, d, generator=g) * 3
+    for position in (0, 7, 8, 128, 299):
+        got = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
+        with w8a8_cpu.use_variant("ref"):
+            want = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
+        assert torch.equal(got, want), (variant, d, position)
 
 
 def test_decode_attention_non_finite_and_overlap():

@@ -103,7 +103,8 @@ struct MicroKernel {
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   float (*softmax_numerators)(float* s, int64_t len, int64_t n) = nullptr;
   // Optional: activation.h's attend_one_position_row (one query head at one decode position; d <= kMaxHeadDim) in the
-  // variant's ISA, likewise the same bits.
+  // variant's ISA, or a copy of it that reorders nothing but the independent work (x86_common.h's
+  // attend_one_position_x86): likewise the same bits.
   void (*attend_one_position)(const float* q, const float* k, const float* v, int64_t keys, int64_t d, float scale,
                               float* scores, float* out) = nullptr;
 

@@ -448,8 +448,10 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
 void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  for (const int64_t keys : {1, 7, 16, 33, 300})
-    for (const int64_t d : {2, 64, 70, 128}) {
+  // keys around the x86 copy's blocks of 8 and value tiles of 128; d: multiples of 16 with and without a partial
+  // 64-dim block (its vector path), and others (the row's)
+  for (const int64_t keys : {1, 7, 8, 9, 16, 33, 128, 129, 300, 1031})
+    for (const int64_t d : {2, 16, 64, 70, 80, 128}) {
       std::vector<float> q(d), k(keys * d), v(keys * d), scores(keys), want(d), got(d);
       for (float& x : q) x = nd(rng);
       for (float& x : k) x = nd(rng);

@@ -4,6 +4,7 @@ and with a tiny random Llama. State lives under tmp_path ($W8A8_CPU_CACHE)."""
 import json
 import shutil
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def test_bench_llm_is_a_mode_of_bench():
     assert (args.command, args.bench_mode, args.threads, args.new_tokens, args.prefill_tokens, args.rounds,
             args.json, args.no_progress) == ("bench", "llm", [1, 2], 8, 32, 2, "x.json", True)
     defaults = parser.parse_args(["bench", "llm"])
-    assert (defaults.threads, defaults.new_tokens, defaults.prefill_tokens, defaults.rounds) == ([1, 2], 64, 512, 3)
+    assert (defaults.threads, defaults.new_tokens, defaults.prefill_tokens, defaults.rounds, defaults.context) == \
+        ([1, 2], 64, 512, 3, None)
+    assert parser.parse_args(["bench", "llm", "--context", "1000"]).context == 1000
     suite = parser.parse_args(["bench", "--quick", "--threads", "1", "2", "--shapes", "smollm2", "--no-moe"])
     assert suite.bench_mode is None and suite.quick and suite.threads == [1, 2]  # the suite's options as before
 
@@ -52,6 +55,8 @@ def test_help_lists_bench_llm(capsys):
     (["--rounds", "0"], "expected a positive integer"),
     (["--threads", "x"], "expected a positive integer, got 'x'"),
     (["--json", "/nonexistent-w8a8-dir/out.json"], "does not exist"),
+    (["--context", "0"], "expected a positive integer, got 0"),
+    (["--context", "100", "--new-tokens", "1"], "--new-tokens of at least 2"),
 ])
 def test_bad_options_stop_before_any_work(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(smollm2, "load", lambda *a: pytest.fail("the model was loaded despite a bad option"))
@@ -244,6 +249,39 @@ def test_sweep_interleaves_engines_per_thread_count():
         eager = engines[bench_llm.EAGER]
         assert eager["prefill_vs_ctranslate2"] == pytest.approx(engines[bench_llm.CT2]["prefill_s"] / eager["prefill_s"])
     json.dumps(runs)  # --json writes them as they are
+
+
+def test_decode_after_a_context_is_timed_without_the_prompts_prefill():
+    """--context: every decode round also times a one-token generation of each engine from the same prompt, and
+    decode is the tokens after the first over the difference of the medians; no llama.cpp ratio or line (its figure
+    is a short prompt's)."""
+    log, seconds_per_token = [], {bench_llm.FP32: 0.004, bench_llm.CT2: 0.002}
+
+    def slow_engine(name):
+        inner = fake_engine(name, list(range(8)), log)
+
+        def greedy(ids, n):
+            time.sleep(0.02 + seconds_per_token[name] * n)  # a prompt's prefill, then the tokens
+            return inner.greedy(ids, n)
+        return bench_llm.Engine(greedy=greedy, prefill=inner.prefill)
+
+    engines = {name: slow_engine(name) for name in seconds_per_token}
+    (run,) = bench_llm.sweep(lambda threads: engines, [1], torch.arange(300), torch.arange(16), new_tokens=8,
+                             rounds=3, progress=QUIET, without_prefill=True)
+    decodes = [e for e in log if e[0] == "decode"]
+    assert len(decodes) == 2 * len(engines) * (1 + 3), "an 8-token and a 1-token generation per engine and round"
+    for name, r in run["engines"].items():
+        median = lambda rounds: sorted(rounds)[1]  # noqa: E731
+        generation = median(r["decode_s_rounds"]) - median(r["first_token_s_rounds"])
+        assert r["decode_tokens_per_s"] == pytest.approx(7 / generation)
+        assert r["decode_tokens_per_s"] == pytest.approx(1 / seconds_per_token[name], rel=0.5)
+        assert r["decode_vs_llama_cpp"] is None and r["tokens"] == list(range(8))
+    assert run["engines"][bench_llm.FP32]["decode_vs_ctranslate2"] == pytest.approx(
+        run["engines"][bench_llm.FP32]["decode_tokens_per_s"] / run["engines"][bench_llm.CT2]["decode_tokens_per_s"])
+    lines = bench_llm.format_table(run, 8, {})
+    assert not any("llama.cpp*" in line for line in lines[2:])
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        bench_llm.measure(engines, torch.arange(5), torch.arange(16), 1, 1, QUIET, "1 thread", without_prefill=True)
 
 
 def test_an_engine_stopping_early_is_an_error():

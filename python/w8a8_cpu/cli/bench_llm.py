@@ -10,7 +10,9 @@ Engines (rows), all on the same token ids from the main job's tokenizer:
                          decode_step_ op)
   CTranslate2 int8       the float checkpoint converted by ctranslate2 (int8 weights, cached), its own generator
 Measures: decode = new tokens / wall time of one greedy generation from the main job's chat prompt, prompt prefill
-included (as evaluate.greedy times it); prefill = time to the next-token logits of the first --prefill-tokens
+included (as evaluate.greedy times it); with --context N, decode at a long context: the prompt is the first N tokens
+of the prefill text and decode = (new tokens - 1) / (time of the generation - time of a one-token generation from
+the same prompt, timed in the same rounds): the tokens after the first, without the prompt's prefill; prefill = time to the next-token logits of the first --prefill-tokens
 tokens of the GPL-3 text, computed for the last position only; greedy = generated tokens equal to fp32's before the
 first difference (a sanity check: a whole int8 model parts from fp32 after a few tokens, see README). Engines are
 timed in interleaved rounds (timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
@@ -52,6 +54,9 @@ def add_arguments(parser) -> None:
                         help="thread counts, one table each (default 1 2)")
     parser.add_argument("--new-tokens", type=positive_int, default=64, help="greedy tokens per decode timing (default 64)")
     parser.add_argument("--prefill-tokens", type=positive_int, default=512, help="prompt tokens of the prefill (default 512)")
+    parser.add_argument("--context", type=positive_int, metavar="N",
+                        help="decode after N tokens of the prefill text instead of the chat prompt, timed without "
+                             "the prompt's prefill (each cached key and value is read again by every new token)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help=f"timed interleaved rounds after {WARMUP_ROUNDS} warm-up (default 3)")
     parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
@@ -120,15 +125,25 @@ def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[s
 
 # --------------------------------------------------------------------------------------------------- measurement
 
-def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: torch.Tensor, new_tokens: int,
-            rounds: int, progress: Progress, label: str) -> Dict[str, dict]:
-    """Decode and prefill of every engine in interleaved rounds (decode rounds first, then prefill rounds), with the
-    greedy tokens of each engine's last decode; ratios against CTranslate2 and llama.cpp's published figure."""
-    generated: Dict[str, List[int]] = {}
+# the key of an engine's one-token generation among the decode calls of a --context run
+FIRST_TOKEN = " (first token)"
 
-    def decode_call(name: str, engine: Engine) -> Callable[[], None]:
+
+def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: torch.Tensor, new_tokens: int,
+            rounds: int, progress: Progress, label: str, without_prefill: bool = False) -> Dict[str, dict]:
+    """Decode and prefill of every engine in interleaved rounds (decode rounds first, then prefill rounds), with the
+    greedy tokens of each engine's last decode; ratios against CTranslate2 and llama.cpp's published figure.
+    without_prefill (--context): each decode round also times a one-token generation of every engine from the same
+    prompt, and decode is the tokens after the first over the difference of the two medians."""
+    generated: Dict[str, List[int]] = {}
+    if without_prefill and new_tokens < 2:
+        raise ValueError("new_tokens: decode without the prompt's prefill needs at least 2 tokens")
+
+    def decode_call(name: str, engine: Engine, count: int = new_tokens) -> Callable[[], None]:
         def call() -> None:
-            generated[name] = [int(t) for t in engine.greedy(prompt_ids, new_tokens)]
+            tokens = [int(t) for t in engine.greedy(prompt_ids, count)]
+            if count == new_tokens:
+                generated[name] = tokens
         return call
 
     def timed(calls: Dict[str, Callable[[], object]], what: str) -> Dict[str, List[float]]:
@@ -136,7 +151,10 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
         return interleaved(calls, rounds, WARMUP_ROUNDS,
                            on_round=lambda r: progress.step(f"{label}: {what} round {r}/{rounds}"))
 
-    decode_s = timed({name: decode_call(name, engine) for name, engine in engines.items()}, "decode")
+    decode_calls = {name: decode_call(name, engine) for name, engine in engines.items()}
+    if without_prefill:
+        decode_calls.update({name + FIRST_TOKEN: decode_call(name, engine, 1) for name, engine in engines.items()})
+    decode_s = timed(decode_calls, "decode")
     prefill_s = timed({name: (lambda engine=engine: engine.prefill(prefill_ids)) for name, engine in engines.items()},
                       "prefill")
     for name, tokens in generated.items():
@@ -146,13 +164,23 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
     decode_median, prefill_median = medians(decode_s), medians(prefill_s)
     results = {}
     for name in engines:
-        tokens_per_s = new_tokens / decode_median[name]
+        if without_prefill:
+            generation_s = decode_median[name] - decode_median[name + FIRST_TOKEN]
+            if generation_s <= 0:  # noise larger than the tokens' time: no rate rather than a wrong one
+                raise RuntimeError(f"{name}: {new_tokens} tokens took no longer than 1 from the same prompt "
+                                   f"({decode_median[name]:.3f} s vs {decode_median[name + FIRST_TOKEN]:.3f} s); "
+                                   f"time more tokens (--new-tokens) or more rounds")
+            tokens_per_s = (new_tokens - 1) / generation_s
+        else:
+            tokens_per_s = new_tokens / decode_median[name]
         results[name] = {
             "decode_tokens_per_s": tokens_per_s, "prefill_s": prefill_median[name],
             "decode_s_rounds": decode_s[name], "prefill_s_rounds": prefill_s[name],
+            **({"first_token_s_rounds": decode_s[name + FIRST_TOKEN]} if without_prefill else {}),
             "greedy_equal_prefix": None if reference is None else evaluate.agreeing_prefix(generated[name], reference),
             "tokens": generated[name],
-            "decode_vs_llama_cpp": tokens_per_s / LLAMA_CPP_DECODE_TOKENS_PER_S,
+            # llama.cpp's figure is a short prompt's decode: no ratio to a long context's
+            "decode_vs_llama_cpp": None if without_prefill else tokens_per_s / LLAMA_CPP_DECODE_TOKENS_PER_S,
         }
     if CT2 in results:  # speed ratios, > 1: faster than CTranslate2
         peer = results[CT2]
@@ -163,7 +191,8 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
 
 
 def sweep(engines_for: Callable[[int], Dict[str, Engine]], threads: Sequence[int], prompt_ids: torch.Tensor,
-          prefill_ids: torch.Tensor, new_tokens: int, rounds: int, progress: Progress) -> List[dict]:
+          prefill_ids: torch.Tensor, new_tokens: int, rounds: int, progress: Progress,
+          without_prefill: bool = False) -> List[dict]:
     """measure() once per thread count: torch's thread count set first, then engines_for(threads) gives the engines
     (the torch ones follow torch's setting; CTranslate2 needs a generator per count). torch's count is restored."""
     before = torch.get_num_threads()
@@ -172,8 +201,9 @@ def sweep(engines_for: Callable[[int], Dict[str, Engine]], threads: Sequence[int
         for count in threads:
             torch.set_num_threads(count)
             engines = engines_for(count)
-            runs.append({"threads": count, "engines": measure(engines, prompt_ids, prefill_ids, new_tokens, rounds,
-                                                              progress, f"{count} thread{'s' * (count > 1)}")})
+            runs.append({"threads": count, "decode_without_prefill": without_prefill, "engines": measure(engines, prompt_ids, prefill_ids, new_tokens, rounds,
+                                                              progress, f"{count} thread{'s' * (count > 1)}",
+                                                              without_prefill)})
             del engines  # a CTranslate2 generator holds its own copy of the model and its thread pool
     finally:
         torch.set_num_threads(before)
@@ -202,10 +232,12 @@ def format_table(run: dict, new_tokens: int, unavailable: Dict[str, str]) -> Lis
         greedy = "" if r["greedy_equal_prefix"] is None else f"{r['greedy_equal_prefix']}/{new_tokens}"
         lines.append(_row(name, [f"{r['decode_tokens_per_s']:.1f}", f"{r['prefill_s']:.3f}", greedy,
                                  _ratio(r.get("decode_vs_ctranslate2")), _ratio(r.get("prefill_vs_ctranslate2")),
-                                 _ratio(r["decode_vs_llama_cpp"])]))
+                                 _ratio(r.get("decode_vs_llama_cpp"))]))
     for name, reason in unavailable.items():
         lines.append(f"  {name:<{NAME_WIDTH}}  not run: {reason}")
     peer = run["engines"].get(CT2)
+    if run.get("decode_without_prefill"):  # --context: llama.cpp's figure is a short prompt's decode
+        return lines
     lines.append(_row("llama.cpp*", [f"{LLAMA_CPP_DECODE_TOKENS_PER_S:.1f}", "", "",
                                      _ratio(peer and LLAMA_CPP_DECODE_TOKENS_PER_S / peer["decode_tokens_per_s"]),
                                      "", "x1.00"]))
@@ -217,21 +249,28 @@ def print_report(result: dict) -> None:
     print(f"bench llm: {result['model']}")
     print(f"  variant {result['variant']}, torch {result['torch']}, ctranslate2 {result['ctranslate2'] or '-'}; "
           f"median of {result['rounds']} interleaved rounds after {result['warmup_rounds']} warm-up")
-    print(f"  decode: {n} greedy tokens after the chat prompt ({result['prompt_tokens']} tokens, prefill included); "
-          f"prefill: the first {result['prefill_tokens']} tokens of {result['prefill_text']} to the next-token "
-          f"logits")
+    if result.get("context"):
+        decode = (f"{n} greedy tokens after the first {result['context']} tokens of {result['prefill_text']}, the "
+                  f"tokens after the first: {n - 1} / (time of {n} - time of 1), the prompt's prefill not counted")
+    else:
+        decode = f"{n} greedy tokens after the chat prompt ({result['prompt_tokens']} tokens, prefill included)"
+    print(f"  decode: {decode}; prefill: the first {result['prefill_tokens']} tokens of {result['prefill_text']} to "
+          f"the next-token logits")
     for run in result["runs"]:
         print("\n".join(format_table(run, n, result["unavailable"])))
     print(f"  (greedy: tokens equal to fp32's before the first difference; vs CT2: speed / CTranslate2 int8's, > 1 "
           f"faster; * llama.cpp: {LLAMA_CPP_DECODE_TOKENS_PER_S:.0f} tok/s decode as published in the issue, NOT "
           f"measured here: another machine and setup, a fixed reference line; benchmarks/llama_cpp_peer.py "
-          f"--ours FILE.json measures it with a llama.cpp build)")
+          f"--ours FILE.json measures it with a llama.cpp build{'; no ratio to it after --context' * bool(result.get('context'))})")
 
 
 # --------------------------------------------------------------------------------------------------- driver
 
 def run(args, parser) -> int:
     from w8a8_cpu.llm import smollm2
+
+    if args.context and args.new_tokens < 2:
+        parser.error("--context: decode without the prompt's prefill needs --new-tokens of at least 2")
 
     if not smollm2.available():
         print(f"python -m w8a8_cpu bench llm needs the model and the llm extra: {smollm2.INSTALL_HINT}",
@@ -246,9 +285,9 @@ def run(args, parser) -> int:
                         name="bench llm")
     progress.step("loading SmolLM2-135M-Instruct (offline)")
     fp32, tokenizer = smollm2.load(progress)
-    prompt_ids = job.chat_prompt_ids(tokenizer)
-    try:  # before the engines are built: a text too short for --prefill-tokens stops the run at once
+    try:  # before the engines are built: a text too short for --prefill-tokens or --context stops the run at once
         prefill_ids = job._tokens(tokenizer, job.EVAL_TEXT, args.prefill_tokens, "prefill")
+        prompt_ids = job._tokens(tokenizer, job.EVAL_TEXT, args.context, "--context") if args.context else job.chat_prompt_ids(tokenizer)
     except (OSError, ValueError) as e:
         progress.clear()
         print(f"bench llm: {e}", file=sys.stderr)
@@ -261,12 +300,14 @@ def run(args, parser) -> int:
             return engines
         return {**engines, CT2: ctranslate2_engine(ctranslate2_generator(ct2_dir, threads), tokenizer)}
 
-    runs = sweep(engines_for, args.threads, prompt_ids, prefill_ids, args.new_tokens, args.rounds, progress)
+    runs = sweep(engines_for, args.threads, prompt_ids, prefill_ids, args.new_tokens, args.rounds, progress,
+                 without_prefill=bool(args.context))
     progress.step("done")
     result = {
         "model": smollm2.MODEL_NAME, "variant": w8a8_cpu.info()["selected_variant"], "torch": torch.__version__,
         "ctranslate2": _version("ctranslate2"), "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
-        "prompt_tokens": prompt_ids.numel(), "chat_prompt": job.CHAT_PROMPT, "prefill_text": str(job.EVAL_TEXT),
+        "context": args.context,
+        "prompt_tokens": prompt_ids.numel(), "chat_prompt": None if args.context else job.CHAT_PROMPT, "prefill_text": str(job.EVAL_TEXT),
         "rounds": args.rounds, "warmup_rounds": WARMUP_ROUNDS,
         "llama_cpp_reference": {"decode_tokens_per_s": LLAMA_CPP_DECODE_TOKENS_PER_S, "measured_here": False,
                                 "source": "published in the issue"},

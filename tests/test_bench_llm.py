@@ -65,6 +65,15 @@ def test_bad_options_stop_before_any_work(argv, message, capsys, monkeypatch):
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_context_beyond_the_models_positions_stops_before_the_engines(capsys, monkeypatch):
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_position_embeddings=2048))
+    monkeypatch.setattr(smollm2, "available", lambda: True)
+    monkeypatch.setattr(smollm2, "load", lambda progress: (model, lambda text: {"input_ids": list(range(5000))}))
+    monkeypatch.setattr(bench_llm, "build_engines", lambda *a: pytest.fail("the engines were built"))
+    assert main(["bench", "llm", "--context", "2000", "--new-tokens", "64", "--no-progress"]) == 2
+    assert "a 2000-token prompt and 64 new tokens exceed the model's 2048 positions" in capsys.readouterr().err
+
+
 def test_without_the_model_it_says_how(capsys, monkeypatch):
     monkeypatch.setattr(smollm2, "available", lambda: False)
     assert main(["bench", "llm", "--no-progress"]) == 2
@@ -253,15 +262,15 @@ def test_sweep_interleaves_engines_per_thread_count():
 
 def test_decode_after_a_context_is_timed_without_the_prompts_prefill():
     """--context: every decode round also times a one-token generation of each engine from the same prompt, and
-    decode is the tokens after the first over the difference of the medians; no llama.cpp ratio or line (its figure
-    is a short prompt's)."""
-    log, seconds_per_token = [], {bench_llm.FP32: 0.004, bench_llm.CT2: 0.002}
+    decode is the tokens after the first over the median of the rounds' differences; no llama.cpp ratio, column or
+    line (its figure is a short prompt's). A machine noisier than the tokens' time gives no rate, not a wrong one."""
+    log, seconds_per_token = [], {bench_llm.FP32: 0.02, bench_llm.CT2: 0.01}
 
-    def slow_engine(name):
+    def slow_engine(name, seconds=None):
         inner = fake_engine(name, list(range(8)), log)
 
         def greedy(ids, n):
-            time.sleep(0.02 + seconds_per_token[name] * n)  # a prompt's prefill, then the tokens
+            time.sleep(seconds(n) if seconds else 0.02 + seconds_per_token[name] * n)  # a prompt's prefill, the tokens
             return inner.greedy(ids, n)
         return bench_llm.Engine(greedy=greedy, prefill=inner.prefill)
 
@@ -271,15 +280,22 @@ def test_decode_after_a_context_is_timed_without_the_prompts_prefill():
     decodes = [e for e in log if e[0] == "decode"]
     assert len(decodes) == 2 * len(engines) * (1 + 3), "an 8-token and a 1-token generation per engine and round"
     for name, r in run["engines"].items():
-        median = lambda rounds: sorted(rounds)[1]  # noqa: E731
-        generation = median(r["decode_s_rounds"]) - median(r["first_token_s_rounds"])
+        generation = sorted(a - b for a, b in zip(r["decode_s_rounds"], r["first_token_s_rounds"]))[1]
         assert r["decode_tokens_per_s"] == pytest.approx(7 / generation)
         assert r["decode_tokens_per_s"] == pytest.approx(1 / seconds_per_token[name], rel=0.5)
         assert r["decode_vs_llama_cpp"] is None and r["tokens"] == list(range(8))
     assert run["engines"][bench_llm.FP32]["decode_vs_ctranslate2"] == pytest.approx(
         run["engines"][bench_llm.FP32]["decode_tokens_per_s"] / run["engines"][bench_llm.CT2]["decode_tokens_per_s"])
     lines = bench_llm.format_table(run, 8, {})
-    assert not any("llama.cpp*" in line for line in lines[2:])
+    assert not any("llama.cpp" in line for line in lines)
+    assert len({len(line) for line in lines[1:]}) == 1, "columns line up"
+
+    engines[bench_llm.CT2] = slow_engine(bench_llm.CT2, seconds=lambda n: 0.05 if n == 1 else 0.02)
+    (run,) = bench_llm.sweep(lambda threads: engines, [1], torch.arange(300), torch.arange(16), new_tokens=8,
+                             rounds=1, progress=QUIET, without_prefill=True)
+    assert run["engines"][bench_llm.CT2]["decode_tokens_per_s"] is None
+    assert run["engines"][bench_llm.FP32]["decode_vs_ctranslate2"] is None
+    assert bench_llm.format_table(run, 8, {})[3].split()[2:4] == ["n/a", "(noise)"]
     with pytest.raises(ValueError, match="at least 2 tokens"):
         bench_llm.measure(engines, torch.arange(5), torch.arange(16), 1, 1, QUIET, "1 thread", without_prefill=True)
 
@@ -378,6 +394,11 @@ def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cach
     assert "llama.cpp Q8_0" in printed and "faster than llama.cpp" in printed
     assert llama_cpp_peer.main(["--bin", str(tmp_path)]) == 2  # no llama-bench there: one line, exit 2
     assert "no executable llama-bench" in capsys.readouterr().err
+    # a --context result's decode leaves out the prompt's prefill: no llama-bench row to divide it by
+    ours.write_text(json.dumps({"prompt_tokens": 1024, "new_tokens": 64, "prefill_tokens": 512, "context": 1024,
+                                "runs": [{"threads": 1, "engines": engines}]}))
+    assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
+    assert "a bench llm --context result" in capsys.readouterr().err
     ours.write_text(json.dumps({"runs": []}))  # a file that is no bench llm result: one line, exit 2
     assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
     assert "--ours" in capsys.readouterr().err

@@ -124,7 +124,7 @@ def test_decode_attention_has_the_reference_variants_bits(variant, d):
     heads, kv_heads, length = 6, 2, 300
     k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
     qkv = torch.randn(heads + 2 * kv_heads, d, generator=g) * 3
-    for position in (0, 7, 8, 128, 299):
+    for position in (0, 7, 8, 127, 128, 299):
         got = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
         with w8a8_cpu.use_variant("ref"):
             want = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)

@@ -31,7 +31,8 @@ void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* 
 // p = softmax(scale * q . k[j]) (rows of k and v d floats apart; 1 <= keys, d <= kMaxHeadDim; scores: `keys` floats
 // of scratch). The dot products in lane_dot's fixed order, the softmax as the prompt attention's (softmax_numerators:
 // a non-finite score makes the head's output NaN), the weighted sum in key order divided by the numerators' sum: the
-// same bits on every thread, in the kernel's ISA where it has a copy (activation.h's attend_one_position_row).
+// same bits on every thread, in the kernel's ISA where it has a copy (activation.h's attend_one_position_row). out
+// must not overlap q, k, v or scores.
 void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
                          int64_t d, float scale, float* scores, float* out);
 

@@ -108,8 +108,9 @@ inline void transpose8x8(__m256 r[8]) {
 // one after another, and out[e] += p v[j][e] goes through memory for every key (out may alias v). Here 8 keys' 16 lane
 // sums are transposed so that one vector add does the same step of all 8 sums, and the weighted values accumulate in
 // registers, 64 dims at a time over tiles of kValueTile keys (a tile's values stay in L1/L2 for the next 64 dims).
-// decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache): 1.2x the row's speed at 128
-// keys, 1.6x at 1024, 1.8x at 2048. Head dims not a multiple of 16: the row.
+// decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache): ~1.6x the row's speed at 1024
+// keys, ~1.8x at 2048 (at 128, within the VM's noise). Head dims not a multiple of 16: the row. out must not overlap
+// q, k, v or scores (layer_ops.h's contract).
 inline void attend_one_position_x86(const float* q, const float* k, const float* v, int64_t keys, int64_t d,
                                     float scale, float* scores, float* out) {
   if (d % 16 != 0) return attend_one_position_row(q, k, v, keys, d, scale, scores, out);

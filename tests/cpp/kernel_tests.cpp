@@ -448,18 +448,20 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
 void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  // keys around the x86 copy's blocks of 8 and value tiles of 128; d: multiples of 16 with and without a partial
-  // 64-dim block (its vector path), and others (the row's)
+  // keys around the x86 copy's blocks of 8 and value tiles of 128; d: multiples of 16 (its vector path: 2, 4, 6 or 8
+  // vectors in the last block of 64 dims) and others (the row's); every array 4 bytes into its allocation, as a
+  // tensor's data may be
   for (const int64_t keys : {1, 7, 8, 9, 16, 33, 128, 129, 300, 1031})
-    for (const int64_t d : {2, 16, 64, 70, 80, 128}) {
-      std::vector<float> q(d), k(keys * d), v(keys * d), scores(keys), want(d), got(d);
-      for (float& x : q) x = nd(rng);
-      for (float& x : k) x = nd(rng);
-      for (float& x : v) x = nd(rng);
+    for (const int64_t d : {2, 16, 32, 48, 64, 70, 80, 96, 128, 1024}) {
+      std::vector<float> q_(d + 1), k_(keys * d + 1), v_(keys * d + 1), scores_(keys + 1), want(d), got_(d + 1);
+      float *q = q_.data() + 1, *k = k_.data() + 1, *v = v_.data() + 1, *scores = scores_.data() + 1,
+            *got = got_.data() + 1;
+      for (float* x : {q, k, v})
+        for (int64_t i = 0; i < (x == q ? d : keys * d); ++i) x[i] = nd(rng);
       const float scale = 1.f / std::sqrt(static_cast<float>(d));
-      attend_one_position(kRefKernel, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), want.data());
-      attend_one_position(kern, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), got.data());
-      CHECK(std::memcmp(want.data(), got.data(), d * 4) == 0, "%s: attend_one_position differs from the reference's "
+      attend_one_position(kRefKernel, q, k, v, keys, d, scale, scores, want.data());
+      attend_one_position(kern, q, k, v, keys, d, scale, scores, got);
+      CHECK(std::memcmp(want.data(), got, d * 4) == 0, "%s: attend_one_position differs from the reference's "
             "(keys = %lld, d = %lld)", kern.name, static_cast<long long>(keys), static_cast<long long>(d));
       std::vector<double> p(keys);
       double max = -1e300, sum = 0, worst = 0;
@@ -476,8 +478,8 @@ void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
       CHECK(worst < 1e-5, "%s: attend_one_position off by %g from the fp64 attention (keys = %lld, d = %lld)",
             kern.name, worst, static_cast<long long>(keys), static_cast<long long>(d));
       k[(keys - 1) * d] = std::numeric_limits<float>::infinity();
-      attend_one_position(kern, q.data(), k.data(), v.data(), keys, d, scale, scores.data(), got.data());
-      CHECK(std::all_of(got.begin(), got.end(), [](float x) { return std::isnan(x); }),
+      attend_one_position(kern, q, k, v, keys, d, scale, scores, got);
+      CHECK(std::all_of(got, got + d, [](float x) { return std::isnan(x); }),
             "%s: attend_one_position with an Inf key is not NaN (keys = %lld, d = %lld)", kern.name,
             static_cast<long long>(keys), static_cast<long long>(d));
     }

@@ -11,9 +11,10 @@ Engines (rows), all on the same token ids from the main job's tokenizer:
   CTranslate2 int8       the float checkpoint converted by ctranslate2 (int8 weights, cached), its own generator
 Measures: decode = new tokens / wall time of one greedy generation from the main job's chat prompt, prompt prefill
 included (as evaluate.greedy times it); with --context N, decode at a long context: the prompt is the first N tokens
-of the prefill text and decode = (new tokens - 1) / (time of the generation - time of a one-token generation from
-the same prompt, timed in the same rounds): the tokens after the first, without the prompt's prefill; prefill = time to the next-token logits of the first --prefill-tokens
-tokens of the GPL-3 text, computed for the last position only; greedy = generated tokens equal to fp32's before the
+of the prefill text and decode = (new tokens - 1) / the median over rounds of (time of the generation - time of a
+one-token generation from the same prompt in that round): the tokens after the first, without the prompt's prefill;
+prefill = time to the next-token logits of the first --prefill-tokens tokens of the GPL-3 text, computed for the
+last position only; greedy = generated tokens equal to fp32's before the
 first difference (a sanity check: a whole int8 model parts from fp32 after a few tokens, see README). Engines are
 timed in interleaved rounds (timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -134,7 +136,8 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
     """Decode and prefill of every engine in interleaved rounds (decode rounds first, then prefill rounds), with the
     greedy tokens of each engine's last decode; ratios against CTranslate2 and llama.cpp's published figure.
     without_prefill (--context): each decode round also times a one-token generation of every engine from the same
-    prompt, and decode is the tokens after the first over the difference of the two medians."""
+    prompt, and decode is the tokens after the first over the median of the rounds' differences (None where that
+    median is not positive: the machine's noise exceeded the tokens' time)."""
     generated: Dict[str, List[int]] = {}
     if without_prefill and new_tokens < 2:
         raise ValueError("new_tokens: decode without the prompt's prefill needs at least 2 tokens")
@@ -165,12 +168,9 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
     results = {}
     for name in engines:
         if without_prefill:
-            generation_s = decode_median[name] - decode_median[name + FIRST_TOKEN]
-            if generation_s <= 0:  # noise larger than the tokens' time: no rate rather than a wrong one
-                raise RuntimeError(f"{name}: {new_tokens} tokens took no longer than 1 from the same prompt "
-                                   f"({decode_median[name]:.3f} s vs {decode_median[name + FIRST_TOKEN]:.3f} s); "
-                                   f"time more tokens (--new-tokens) or more rounds")
-            tokens_per_s = (new_tokens - 1) / generation_s
+            generation_s = statistics.median(
+                whole - first for whole, first in zip(decode_s[name], decode_s[name + FIRST_TOKEN]))
+            tokens_per_s = (new_tokens - 1) / generation_s if generation_s > 0 else None  # no rate, not a wrong one
         else:
             tokens_per_s = new_tokens / decode_median[name]
         results[name] = {
@@ -185,7 +185,8 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
     if CT2 in results:  # speed ratios, > 1: faster than CTranslate2
         peer = results[CT2]
         for r in results.values():
-            r["decode_vs_ctranslate2"] = r["decode_tokens_per_s"] / peer["decode_tokens_per_s"]
+            rates = r["decode_tokens_per_s"], peer["decode_tokens_per_s"]
+            r["decode_vs_ctranslate2"] = None if None in rates else rates[0] / rates[1]
             r["prefill_vs_ctranslate2"] = peer["prefill_s"] / r["prefill_s"]
     return results
 
@@ -201,9 +202,9 @@ def sweep(engines_for: Callable[[int], Dict[str, Engine]], threads: Sequence[int
         for count in threads:
             torch.set_num_threads(count)
             engines = engines_for(count)
-            runs.append({"threads": count, "decode_without_prefill": without_prefill, "engines": measure(engines, prompt_ids, prefill_ids, new_tokens, rounds,
-                                                              progress, f"{count} thread{'s' * (count > 1)}",
-                                                              without_prefill)})
+            engines_run = measure(engines, prompt_ids, prefill_ids, new_tokens, rounds, progress,
+                                  f"{count} thread{'s' * (count > 1)}", without_prefill)
+            runs.append({"threads": count, "decode_without_prefill": without_prefill, "engines": engines_run})
             del engines  # a CTranslate2 generator holds its own copy of the model and its thread pool
     finally:
         torch.set_num_threads(before)
@@ -226,17 +227,22 @@ def _ratio(value: Optional[float]) -> str:
 
 
 def format_table(run: dict, new_tokens: int, unavailable: Dict[str, str]) -> List[str]:
-    """One thread count's table: a row per engine run, one per engine not run, and llama.cpp's fixed line."""
-    lines = [f"{run['threads']} thread{'s' * (run['threads'] > 1)}:", _row("engine", [c for c, _ in COLUMNS])]
+    """One thread count's table: a row per engine run, one per engine not run, and llama.cpp's fixed line (not after
+    --context: its figure is a short prompt's decode)."""
+    short_prompt = not run.get("decode_without_prefill")
+    columns = COLUMNS if short_prompt else COLUMNS[:-1]
+    lines = [f"{run['threads']} thread{'s' * (run['threads'] > 1)}:", _row("engine", [c for c, _ in columns])]
     for name, r in run["engines"].items():
         greedy = "" if r["greedy_equal_prefix"] is None else f"{r['greedy_equal_prefix']}/{new_tokens}"
-        lines.append(_row(name, [f"{r['decode_tokens_per_s']:.1f}", f"{r['prefill_s']:.3f}", greedy,
-                                 _ratio(r.get("decode_vs_ctranslate2")), _ratio(r.get("prefill_vs_ctranslate2")),
-                                 _ratio(r.get("decode_vs_llama_cpp"))]))
+        rate = r["decode_tokens_per_s"]
+        cells = ["n/a (noise)" if rate is None else f"{rate:.1f}", f"{r['prefill_s']:.3f}", greedy,
+                 _ratio(r.get("decode_vs_ctranslate2")), _ratio(r.get("prefill_vs_ctranslate2")),
+                 _ratio(r.get("decode_vs_llama_cpp"))]
+        lines.append(_row(name, cells[:len(columns)]))
     for name, reason in unavailable.items():
         lines.append(f"  {name:<{NAME_WIDTH}}  not run: {reason}")
     peer = run["engines"].get(CT2)
-    if run.get("decode_without_prefill"):  # --context: llama.cpp's figure is a short prompt's decode
+    if not short_prompt:
         return lines
     lines.append(_row("llama.cpp*", [f"{LLAMA_CPP_DECODE_TOKENS_PER_S:.1f}", "", "",
                                      _ratio(peer and LLAMA_CPP_DECODE_TOKENS_PER_S / peer["decode_tokens_per_s"]),
@@ -261,7 +267,8 @@ def print_report(result: dict) -> None:
     print(f"  (greedy: tokens equal to fp32's before the first difference; vs CT2: speed / CTranslate2 int8's, > 1 "
           f"faster; * llama.cpp: {LLAMA_CPP_DECODE_TOKENS_PER_S:.0f} tok/s decode as published in the issue, NOT "
           f"measured here: another machine and setup, a fixed reference line; benchmarks/llama_cpp_peer.py "
-          f"--ours FILE.json measures it with a llama.cpp build{'; no ratio to it after --context' * bool(result.get('context'))})")
+          f"--ours FILE.json measures it with a llama.cpp build" +
+          ("; no ratio to it after --context)" if result.get("context") else ")"))
 
 
 # --------------------------------------------------------------------------------------------------- driver
@@ -287,7 +294,12 @@ def run(args, parser) -> int:
     fp32, tokenizer = smollm2.load(progress)
     try:  # before the engines are built: a text too short for --prefill-tokens or --context stops the run at once
         prefill_ids = job._tokens(tokenizer, job.EVAL_TEXT, args.prefill_tokens, "prefill")
-        prompt_ids = job._tokens(tokenizer, job.EVAL_TEXT, args.context, "--context") if args.context else job.chat_prompt_ids(tokenizer)
+        prompt_ids = job._tokens(tokenizer, job.EVAL_TEXT, args.context, "--context") if args.context else \
+            job.chat_prompt_ids(tokenizer)
+        positions = getattr(fp32.config, "max_position_embeddings", None)
+        if positions and prompt_ids.numel() + args.new_tokens - 1 > positions:
+            raise ValueError(f"a {prompt_ids.numel()}-token prompt and {args.new_tokens} new tokens exceed the "
+                             f"model's {positions} positions")
     except (OSError, ValueError) as e:
         progress.clear()
         print(f"bench llm: {e}", file=sys.stderr)
@@ -307,7 +319,8 @@ def run(args, parser) -> int:
         "model": smollm2.MODEL_NAME, "variant": w8a8_cpu.info()["selected_variant"], "torch": torch.__version__,
         "ctranslate2": _version("ctranslate2"), "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
         "context": args.context,
-        "prompt_tokens": prompt_ids.numel(), "chat_prompt": None if args.context else job.CHAT_PROMPT, "prefill_text": str(job.EVAL_TEXT),
+        "prompt_tokens": prompt_ids.numel(), "chat_prompt": None if args.context else job.CHAT_PROMPT,
+        "prefill_text": str(job.EVAL_TEXT),
         "rounds": args.rounds, "warmup_rounds": WARMUP_ROUNDS,
         "llama_cpp_reference": {"decode_tokens_per_s": LLAMA_CPP_DECODE_TOKENS_PER_S, "measured_here": False,
                                 "source": "published in the issue"},

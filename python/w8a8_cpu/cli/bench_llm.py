@@ -14,9 +14,9 @@ included (as evaluate.greedy times it); with --context N, decode at a long conte
 of the prefill text and decode = (new tokens - 1) / the median over rounds of (time of the generation - time of a
 one-token generation from the same prompt in that round): the tokens after the first, without the prompt's prefill;
 prefill = time to the next-token logits of the first --prefill-tokens tokens of the GPL-3 text, computed for the
-last position only; greedy = generated tokens equal to fp32's before the
-first difference (a sanity check: a whole int8 model parts from fp32 after a few tokens, see README). Engines are
-timed in interleaved rounds (timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
+last position only; greedy = generated tokens equal to fp32's before the first difference (a sanity check: a whole
+int8 model parts from fp32 after a few tokens, see README). Engines are timed in interleaved rounds
+(timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
 """
 from __future__ import annotations
 
@@ -241,9 +241,9 @@ def format_table(run: dict, new_tokens: int, unavailable: Dict[str, str]) -> Lis
         lines.append(_row(name, cells[:len(columns)]))
     for name, reason in unavailable.items():
         lines.append(f"  {name:<{NAME_WIDTH}}  not run: {reason}")
-    peer = run["engines"].get(CT2)
     if not short_prompt:
         return lines
+    peer = run["engines"].get(CT2)
     lines.append(_row("llama.cpp*", [f"{LLAMA_CPP_DECODE_TOKENS_PER_S:.1f}", "", "",
                                      _ratio(peer and LLAMA_CPP_DECODE_TOKENS_PER_S / peer["decode_tokens_per_s"]),
                                      "", "x1.00"]))

@@ -97,15 +97,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.ours:
         try:
             result = json.loads(Path(args.ours).read_text())
-            if result.get("context"):
-                print(f"llama_cpp_peer.py: --ours {args.ours}: a bench llm --context result (decode without the "
-                      f"prompt's prefill) has no llama-bench row here to compare with; use a run without --context",
-                      file=sys.stderr)
-                return 2
             ours = {run["threads"]: run["engines"] for run in result["runs"]}
             lengths = {key: int(result[key]) for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
         except (ValueError, TypeError, OSError, KeyError) as e:  # json.JSONDecodeError is a ValueError
             print(f"llama_cpp_peer.py: --ours {args.ours}: not a bench llm --json result ({type(e).__name__}: {e})",
+                  file=sys.stderr)
+            return 2
+        if result.get("context"):  # a dict by now: result["runs"] above
+            print(f"llama_cpp_peer.py: --ours {args.ours}: a bench llm --context result (decode without the "
+                  f"prompt's prefill) has no llama-bench row here to compare with; use a run without --context",
                   file=sys.stderr)
             return 2
     else:

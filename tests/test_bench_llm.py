@@ -399,6 +399,7 @@ def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cach
                                 "runs": [{"threads": 1, "engines": engines}]}))
     assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
     assert "a bench llm --context result" in capsys.readouterr().err
-    ours.write_text(json.dumps({"runs": []}))  # a file that is no bench llm result: one line, exit 2
-    assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
-    assert "--ours" in capsys.readouterr().err
+    for not_a_result in ({"runs": []}, [], "runs"):  # files that are no bench llm result: one line, exit 2
+        ours.write_text(json.dumps(not_a_result))
+        assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
+        assert "not a bench llm --json result" in capsys.readouterr().err

@@ -162,20 +162,28 @@ inline __m256i add_in_order(__m256i a, __m256i b) {
 // order (mul, then add: no FMA).
 // P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode row tile
 // (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
-template <int M, int P = 1>
+// Compiled per storage (fp16 or fp32 scales, minimums or not: int4_rows_for), and the group's scales and minimums read
+// through pointers moved a group at a time: at M = 1 a group's work is ~200 instructions, and the storage tests and
+// address arithmetic of a loop written once for every storage were a third of them (W4A8's M = 1 loop ran no more
+// weights a second than W8A8's with both in L1; now 1.3x).
+template <int M, int P, bool kHalfScales, bool kHasMins>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, const Int4Groups& f,
                const int32_t* a_group_sums, float* t) {
   const int64_t group = f.group, groups = f.groups;
-  const bool has_mins = f.has_mins;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   constexpr int kCols = P * kNr;
+  constexpr int64_t kScaleSize = kHalfScales ? 2 : 4;
   Int4PanelStream stream[P];
   const uint8_t* nibbles[P];
+  const uint8_t* scales[P];  // group g's
+  const float* mins[P];
 #pragma GCC unroll 2
   for (int p = 0; p < P; ++p) {
     // running on into the next panels for decode only: a 4-row tile is also the prefill tile
     stream[p] = int4_panel_stream(panel + p * panel_bytes, f, /*decode=*/M <= 2, P);
     nibbles[p] = stream[p].panel;
+    scales[p] = stream[p].scales(0);
+    mins[p] = kHasMins ? stream[p].mins(0) : nullptr;
   }
   // t in registers across the groups where they fit beside the chunk's pair sums and nibbles (decode rows), else in
   // memory (L1)
@@ -191,17 +199,13 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {
       _mm_prefetch(stream[p].scales_ahead(g), _MM_HINT_T1);
-      if (has_mins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
+      if constexpr (kHasMins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
     }
     // The pair sums of one 32-k chunk (8 steps of 4 k) into pairs, the nibble pointers moved past it.
     auto chunk = [&](int64_t k0, __m256i (&pairs)[M][2 * P]) {
       const char* ahead[P];
 #pragma GCC unroll 2
       for (int p = 0; p < P; ++p) ahead[p] = stream[p].nibbles_ahead(nibbles[p]);
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-        for (int h = 0; h < 2 * P; ++h) pairs[i][h] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
         __m256i u[2 * P];
@@ -218,7 +222,10 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
           std::memcpy(&a4, a + i * stride + k0 + s * 4, 4);
           const __m256i av = _mm256_set1_epi32(a4);
 #pragma GCC unroll 4
-          for (int h = 0; h < 2 * P; ++h) pairs[i][h] = add_in_order(pairs[i][h], _mm256_maddubs_epi16(u[h], av));
+          for (int h = 0; h < 2 * P; ++h) {
+            const __m256i products = _mm256_maddubs_epi16(u[h], av);
+            pairs[i][h] = s == 0 ? products : add_in_order(pairs[i][h], products);  // the first step starts them
+          }
         }
       }
 #pragma GCC unroll 2
@@ -227,12 +234,12 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
     // t += the exact group products (8 channels: row i, panel p, half h) times their scales (+ sum a times minimums)
     auto combine = [&](int i, int p, int h, __m256i products) {
       float* ti = t + i * kCols + p * kNr + h * 8;
-      const __m256 scale = load_scales8(stream[p].scales(g) + h * 8 * stream[p].scale_size, f.half_scales);
+      const __m256 scale = load_scales8(scales[p] + h * 8 * kScaleSize, kHalfScales);
       __m256 v = _mm256_add_ps(kSumsInRegisters ? sums[i][p * 2 + h] : _mm256_loadu_ps(ti),
                                _mm256_mul_ps(_mm256_cvtepi32_ps(products), scale));
-      if (has_mins) {
+      if constexpr (kHasMins) {
         const __m256 a_sum = _mm256_set1_ps(static_cast<float>(a_group_sums[i * groups + g]));
-        v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(stream[p].mins(g) + h * 8)));
+        v = _mm256_add_ps(v, _mm256_mul_ps(a_sum, _mm256_loadu_ps(mins[p] + h * 8)));
       }
       if constexpr (kSumsInRegisters)
         sums[i][p * 2 + h] = v;
@@ -251,33 +258,41 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
         for (int h = 0; h < 2 * P; ++h)
           combine(i, h / 2, h % 2, _mm256_add_epi32(start, _mm256_madd_epi16(pairs[i][h], ones)));
       }
-      continue;
-    }
-    // Longer groups: the products in memory (L1) between their 32-k chunks: with the pair sums in registers as well,
-    // 16 ymm are too few at 4 rows (GCC spilled inside the chunk).
-    alignas(32) int32_t acc[M * kCols];
+    } else {
+      // Longer groups: the products in memory (L1) between their 32-k chunks: with the pair sums in registers as
+      // well, 16 ymm are too few at 4 rows (GCC spilled inside the chunk).
+      alignas(32) int32_t acc[M * kCols];
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
+      for (int i = 0; i < M; ++i) {
+        const __m256i start = _mm256_set1_epi32(-8 * a_group_sums[i * groups + g]);
 #pragma GCC unroll 4
-      for (int h = 0; h < 2 * P; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kCols + h * 8), start);
-    }
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-      __m256i pairs[M][2 * P];
-      chunk(k0, pairs);
+        for (int h = 0; h < 2 * P; ++h) _mm256_store_si256(reinterpret_cast<__m256i*>(acc + i * kCols + h * 8), start);
+      }
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+        __m256i pairs[M][2 * P];
+        chunk(k0, pairs);
+#pragma GCC unroll 8
+        for (int i = 0; i < M; ++i)
+#pragma GCC unroll 4
+          for (int h = 0; h < 2 * P; ++h) {
+            auto* row = reinterpret_cast<__m256i*>(acc + i * kCols + h * 8);
+            _mm256_store_si256(row, _mm256_add_epi32(_mm256_load_si256(row), _mm256_madd_epi16(pairs[i][h], ones)));
+          }
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i)
 #pragma GCC unroll 4
-        for (int h = 0; h < 2 * P; ++h) {
-          auto* row = reinterpret_cast<__m256i*>(acc + i * kCols + h * 8);
-          _mm256_store_si256(row, _mm256_add_epi32(_mm256_load_si256(row), _mm256_madd_epi16(pairs[i][h], ones)));
-        }
+        for (int h = 0; h < 2 * P; ++h)
+          combine(i, h / 2, h % 2, _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + i * kCols + h * 8)));
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-      for (int h = 0; h < 2 * P; ++h)
-        combine(i, h / 2, h % 2, _mm256_load_si256(reinterpret_cast<const __m256i*>(acc + i * kCols + h * 8)));
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      scales[p] += kNr * kScaleSize;
+      if constexpr (kHasMins) mins[p] += kNr;
+    }
+    // t stays in memory: GCC otherwise keeps part of it in registers across the groups and spills pair sums inside
+    // the chunk instead (4 rows ~10% slower)
+    if constexpr (!kSumsInRegisters) __asm__ volatile("" ::: "memory");
   }
   if constexpr (kSumsInRegisters)
 #pragma GCC unroll 8
@@ -286,18 +301,26 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
       for (int h = 0; h < 2 * P; ++h) _mm256_storeu_ps(t + i * kCols + h * 8, sums[i][h]);
 }
 
+// int4_rows for m <= MaxM rows and the panels' storage.
+template <int MaxM, int P>
+void int4_rows_for(const int8_t* a, size_t stride, int m, const uint8_t* panel, int64_t panel_bytes,
+                   const Int4Groups& f, const int32_t* a_group_sums, float* t) {
+  with_row_count<MaxM>(m, [&](auto rows) {
+    with_int4_storage(f, [&](auto half_scales, auto has_mins) {
+      int4_rows<decltype(rows)::value, P, decltype(half_scales)::value, decltype(has_mins)::value>(
+          a, stride, panel, panel_bytes, f, a_group_sums, t);
+    });
+  });
+}
+
 void avx2_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout,
                     const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
-  with_row_count<kMr>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, 0, groups, a_group_sums, t);
-  });
+  int4_rows_for<kMr, 1>(a, a_row_stride, m, panel, 0, groups, a_group_sums, t);
 }
 
 void avx2_int4_two_panel_rows(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
                               PanelLayout, const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
-  with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value, 2>(a, a_row_stride, panel, panel_bytes, groups, a_group_sums, t);
-  });
+  int4_rows_for<kTwoPanelMaxRows, 2>(a, a_row_stride, m, panel, panel_bytes, groups, a_group_sums, t);
 }
 
 // Loads 8 elements as fp32 (bf16: shift into the high half; fp16: F16C, exact).

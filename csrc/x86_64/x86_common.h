@@ -46,10 +46,8 @@ struct Int4PanelStream {
   // The address `offset` bytes into the region at region_offset (region_bytes long); past its end, into the next
   // panel's (next_bytes) or on into this panel's next region.
   const char* ahead(int64_t region_offset, int64_t region_bytes, int64_t offset) const {
-    const int64_t into = offset < region_bytes || next_bytes == 0
-                             ? region_offset + offset
-                             : next_bytes + region_offset + offset - region_bytes;
-    return reinterpret_cast<const char*>(panel + into);
+    const int64_t wrap = next_bytes == 0 ? 0 : next_bytes - region_bytes;
+    return reinterpret_cast<const char*>(panel + region_offset + offset + (offset < region_bytes ? 0 : wrap));
   }
   // The line of group g + lead's scales, and of its minimums.
   const char* scales_ahead(int64_t g) const {
@@ -76,6 +74,18 @@ Int4PanelStream int4_panel_stream(const uint8_t* panel, const Int4Groups& f, boo
   const int64_t panel_bytes = nibble_bytes + scale_bytes + min_bytes;
   return {panel, nibble_bytes, scale_size, scale_bytes, min_bytes, panel_bytes,
           std::max<int64_t>(1, kX86PrefetchBytes / group_nibble_bytes), decode ? panels * panel_bytes : 0};
+}
+
+// Calls body(std::bool_constant<half_scales>, std::bool_constant<has_mins>) for f's int4 storage: a tile's group loop
+// compiled per storage, without a branch per group.
+template <typename F>
+inline void with_int4_storage(const Int4Groups& f, F&& body) {
+  if (f.half_scales) {
+    if (f.has_mins) return body(std::true_type{}, std::true_type{});
+    return body(std::true_type{}, std::false_type{});
+  }
+  if (f.has_mins) return body(std::false_type{}, std::true_type{});
+  body(std::false_type{}, std::false_type{});
 }
 
 // Eight group scales from `at` as fp32: the same values either way (fp16 storage holds only fp16 values).

@@ -52,7 +52,7 @@ struct Int4Groups {
   bool has_mins, half_scales;
 };
 // Bytes of one stored group scale: the one place the storage's width is stated (sizes, packing, the tiles' streams).
-static inline int64_t int4_scale_bytes(bool half_scales) { return half_scales ? 2 : 4; }
+static constexpr int64_t int4_scale_bytes(bool half_scales) { return half_scales ? 2 : 4; }
 
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...

@@ -163,16 +163,16 @@ inline __m256i add_in_order(__m256i a, __m256i b) {
 // P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode row tile
 // (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
 // Compiled per storage (fp16 or fp32 scales, minimums or not: int4_rows_for), and the group's scales and minimums read
-// through pointers moved a group at a time: at M = 1 a group's work is ~200 instructions, and the storage tests and
-// address arithmetic of a loop written once for every storage were a third of them (W4A8's M = 1 loop ran no more
-// weights a second than W8A8's with both in L1; now 1.3x).
+// through pointers moved a group at a time: at M = 1 a group of two panels took ~260 instructions, ~110 of them outside
+// its 8 steps, mostly the storage tests and address arithmetic of a loop written once for every storage (W4A8's M = 1
+// loop ran no more weights a second than W8A8's with both in L1; now 1.3x).
 template <int M, int P, bool kHalfScales, bool kHasMins>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, const Int4Groups& f,
                const int32_t* a_group_sums, float* t) {
   const int64_t group = f.group, groups = f.groups;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   constexpr int kCols = P * kNr;
-  constexpr int64_t kScaleSize = kHalfScales ? 2 : 4;
+  constexpr int64_t kScaleSize = int4_scale_bytes(kHalfScales);
   Int4PanelStream stream[P];
   const uint8_t* nibbles[P];
   const uint8_t* scales[P];  // group g's
@@ -290,8 +290,9 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
       scales[p] += kNr * kScaleSize;
       if constexpr (kHasMins) mins[p] += kNr;
     }
-    // t stays in memory: GCC otherwise keeps part of it in registers across the groups and spills pair sums inside
-    // the chunk instead (4 rows ~10% slower)
+    // t stays in memory (the tiles that keep it there: one panel of 3-4 rows, two panels of 2 rows): GCC otherwise
+    // holds part of it in registers across the groups and spills pair sums inside the chunk instead (4 rows ~10%
+    // slower)
     if constexpr (!kSumsInRegisters) __asm__ volatile("" ::: "memory");
   }
   if constexpr (kSumsInRegisters)

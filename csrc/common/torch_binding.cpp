@@ -29,10 +29,14 @@
 namespace w8a8_cpu {
 namespace {
 
-const ParallelFor kTorchParallelFor = [](int64_t begin, int64_t end, int64_t grain,
-                                         const std::function<void(int64_t, int64_t)>& body) {
-  at::parallel_for(begin, end, grain, body);
-};
+// torch's one pool, with the thread count it has at this call (torch.set_num_threads may change it between calls).
+ParallelFor torch_parallel_for() {
+  return ParallelFor(
+      [](int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body) {
+        at::parallel_for(begin, end, grain, body);
+      },
+      at::get_num_threads());
+}
 
 // Driver errors (std::invalid_argument) surface in Python as ValueError with the driver's message.
 template <typename F>
@@ -240,7 +244,7 @@ at::Tensor pack_weight_tensor(const at::Tensor& w) {
       as_value_errors([&] { return packed_weight_nbytes(w.size(0), w.size(1), kernel.geometry().layout, "w"); });
   auto blob = at::empty({nbytes}, w.options().dtype(at::kByte));
   pack_weight(kernel, w.data_ptr<int8_t>(), w.size(0), w.size(1), w.stride(0), blob.data_ptr<uint8_t>(),
-              kTorchParallelFor);
+              torch_parallel_for());
   return blob;
 }
 
@@ -293,7 +297,7 @@ at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, con
   as_value_errors([&] {
     pack_weight_int4(kernel, qc.data_ptr<int8_t>(), n, k, k, s.data_ptr<float>(),
                      mn.defined() ? mn.data_ptr<float>() : nullptr, format, blob.data_ptr<uint8_t>(),
-                     kTorchParallelFor);
+                     torch_parallel_for());
     return 0;
   });
   verified_blobs().insert(blob);
@@ -389,7 +393,7 @@ at::Tensor scaled_mm(const at::Tensor& x_q, const at::Tensor& x_scale, const Wei
     o = epilogue(x_scale.data_ptr<float>(), w.scales, w.bias, out, out_kind);
   }
   as_value_errors([&] {
-    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), w.view, o, scratch.data_ptr(), kTorchParallelFor);
+    gemm(kernel, x_q.data_ptr<int8_t>(), m, x_q.stride(0), w.view, o, scratch.data_ptr(), torch_parallel_for());
     return 0;
   });
   return out;
@@ -423,7 +427,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x2d, const at::Ten
   auto scales = at::empty({m, 1}, x2d.options().dtype(at::kFloat));
   const int64_t bad = as_value_errors([&] {
     return quantize_rows(active_kernel(), x2d.data_ptr(), kind, m, k, x2d.stride(0), q.data_ptr<int8_t>(), k,
-                         scales.data_ptr<float>(), kTorchParallelFor, amax.defined() ? amax.data_ptr<float>() : nullptr);
+                         scales.data_ptr<float>(), torch_parallel_for(), amax.defined() ? amax.data_ptr<float>() : nullptr);
   });
   check_finite_rows(bad, "x");
   return {q, scales};
@@ -471,7 +475,7 @@ at::Tensor scale_accumulators_op(const at::Tensor& acc, const at::Tensor& x_scal
   auto out = at::empty({m, n}, acc.options().dtype(out_dtype.value_or(at::kFloat)));
   const at::Tensor acc_rows = aligned(acc);  // (a copy keeps acc's row stride only when it is contiguous)
   scale_accumulators(acc_rows.data_ptr<int32_t>(), m, n, acc_rows.stride(0),
-                     epilogue(xs.data_ptr<float>(), ws, b, out, out_kind), kTorchParallelFor);
+                     epilogue(xs.data_ptr<float>(), ws, b, out, out_kind), torch_parallel_for());
   return out;
 }
 
@@ -518,7 +522,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, const at::
       return run(kernel, rows.data_ptr(), kind, m, rows.stride(0),
                  row_amax.defined() ? row_amax.data_ptr<float>() : nullptr, weight.view,
                  epilogue(nullptr, weight.scales, weight.bias, out, out_kind), reinterpret_cast<float*>(base),
-                 base + scales_bytes, kTorchParallelFor);
+                 base + scales_bytes, torch_parallel_for());
     });
     check_finite_rows(bad, "x");
   }
@@ -891,7 +895,7 @@ std::vector<PackedWeightView> expert_views(const at::Tensor& w, int64_t experts,
     storage = at::empty({experts, nbytes}, w.options().dtype(at::kByte));
     for (int64_t e = 0; e < experts; ++e)
       pack_weight(kernel, wc.data_ptr<int8_t>() + e * n * k, n, k, k, storage.data_ptr<uint8_t>() + e * nbytes,
-                  kTorchParallelFor);
+                  torch_parallel_for());
   } else {
     TORCH_CHECK_VALUE(w.scalar_type() == at::kByte && w.dim() == 2 && w.size(0) == experts, arg,
                       ": expected a raw int8 [", experts, ", ", n, ", ", k,
@@ -985,7 +989,7 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
                weights.data_ptr<float>(), ids.data_ptr<int64_t>(), v13.data(), s13.data_ptr<float>(), v2.data(),
                s2.data_ptr<float>(), out.data_ptr(), kind, reject_non_finite()};
   as_value_errors([&] {
-    fused_experts(kernel, p, scratch_buffer(moe_scratch_nbytes(kernel, p)).data_ptr(), kTorchParallelFor);
+    fused_experts(kernel, p, scratch_buffer(moe_scratch_nbytes(kernel, p)).data_ptr(), torch_parallel_for());
     return 0;
   });
   return out;

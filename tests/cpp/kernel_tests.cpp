@@ -601,13 +601,14 @@ void count_enter() { ++t_entered, ++g_enter_calls; }
 void count_leave() { ++t_left, ++g_leave_calls; }
 
 void test_dynamic_for_threads_and_hooks() {
-  const ParallelFor four_threads = [](int64_t begin, int64_t end, int64_t,
-                                      const std::function<void(int64_t, int64_t)>& body) {
-    std::vector<std::thread> threads;
-    const int64_t share = (end - begin + 3) / 4;
-    for (int64_t b = begin; b < end; b += share) threads.emplace_back(body, b, std::min(end, b + share));
-    for (auto& t : threads) t.join();
-  };
+  const ParallelFor four_threads(
+      [](int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+        std::vector<std::thread> threads;
+        const int64_t share = (end - begin + 3) / 4;
+        for (int64_t b = begin; b < end; b += share) threads.emplace_back(body, b, std::min(end, b + share));
+        for (auto& t : threads) t.join();
+      },
+      4);
   const int64_t count = 1000;
   std::vector<std::atomic<int>> hits(count);
   std::atomic<int> hook_errors{0};

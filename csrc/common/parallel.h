@@ -1,5 +1,5 @@
-// The driver's parallelism, independent of torch: the caller passes a parallel_for (the binding: at::parallel_for,
-// torch's one thread pool; tests: serial_for), and every driver loop runs through dynamic_for.
+// The driver's parallelism, independent of torch: the caller passes a ParallelFor (the binding: at::parallel_for,
+// torch's one thread pool, with its thread count; tests: serial_for), and every driver loop runs through dynamic_for.
 #pragma once
 
 #include <algorithm>
@@ -18,9 +18,10 @@ struct ParallelFor {
   using Run = std::function<void(int64_t begin, int64_t end, int64_t grain,
                                  const std::function<void(int64_t, int64_t)>& body)>;
   Run run;
-  int threads = 1;
+  const int threads = 1;  // >= 1
 
-  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ParallelFor>>>
+  template <typename F, typename = std::enable_if_t<!std::is_same_v<std::decay_t<F>, ParallelFor> &&
+                                                    std::is_constructible_v<Run, F&&>>>
   ParallelFor(F&& f, int thread_count = 1) : run(std::forward<F>(f)), threads(std::max(thread_count, 1)) {}
   void operator()(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& body) const {
     run(begin, end, grain, body);

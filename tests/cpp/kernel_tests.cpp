@@ -571,6 +571,43 @@ void test_driver_identical(const std::vector<const MicroKernel*>& kernels, uint6
               kernels.size(), s.m, s.n, s.k);
 }
 
+// Decode claims grow where few threads share a layer (gemm_packed: ParallelFor::threads): the same bits whatever
+// the thread count says, int8 and int4 weights, decode rows (1 and 2) of a layer wide and deep enough that the claim
+// size differs between 1, 2, 3 and 64 threads (2048 x 4096: 16, 8, 4 (rounded) and 4 panels with the avx2 tiles).
+void test_decode_claims_by_thread_count(const MicroKernel& kern, uint64_t seed) {
+  const int64_t n = 2048, k = 4096, groups = k / 32;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(2 * k), w_scale(n, 0.02f), group_scales(n * groups);
+  for (auto& v : x) v = nd(rng);
+  for (auto& v : group_scales) v = 0.01f + std::abs(nd(rng)) * 0.01f;
+  const auto w8 = random_int8(rng, n * k, -127, 127), q4 = random_int8(rng, n * k, -8, 7);
+  const WeightFormat int4_format{WeightScheme::int4, 5};
+  std::vector<uint8_t> blob8(packed_weight_nbytes(n, k, kern.geometry().layout, "w")),
+      blob4(packed_weight_nbytes(n, k, kern.geometry().layout, "w", int4_format));
+  pack_weight(kern, w8.data(), n, k, k, blob8.data(), serial_for);
+  pack_weight_int4(kern, q4.data(), n, k, k, group_scales.data(), nullptr, int4_format, blob4.data(), serial_for);
+  int64_t mismatches = 0;
+  for (const auto* blob : {&blob8, &blob4}) {
+    const PackedWeightView view = view_packed_weight(blob->data(), blob->size(), "w");
+    std::vector<uint8_t> scratch(linear_scratch_nbytes(kern, 2, k, blob_k_padded(*blob), view.int4() ? groups : 0));
+    for (int64_t m = 1; m <= 2; ++m) {
+      std::vector<float> first;
+      for (const int threads : {1, 2, 3, 64}) {
+        std::vector<float> out(m * n), a_scales(m);
+        linear(kern, x.data(), FloatKind::f32, m, k, nullptr, view,
+               {nullptr, w_scale.data(), nullptr, out.data(), FloatKind::f32, n}, a_scales.data(), scratch.data(),
+               ParallelFor(serial_for, threads));
+        if (first.empty()) first = out;
+        mismatches += std::memcmp(first.data(), out.data(), out.size() * 4) != 0;
+      }
+    }
+  }
+  CHECK(mismatches == 0, "%s: decode output differs with the thread count (%" PRId64 " cases)", kern.name, mismatches);
+  std::printf("  %-12s decode claims by thread count (1, 2, 3, 64), int8 and int4, M = 1, 2: %" PRId64
+              " differ\n", kern.name, mismatches);
+}
+
 // Through the driver every variant takes all of int8 in A and W: a caller's A holding -128 (never produced by the
 // quantizer) reaches variants whose tile excludes it through gemm()'s fallback; -128 weights reach every tile.
 void test_driver_int8_min(const MicroKernel& kern, uint64_t seed) {
@@ -888,6 +925,7 @@ int run(int argc, char** argv) {
     test_quantization(*kern, seed);
     test_shared_vectors(*kern);
     test_int4_shared_vectors(*kern);
+    test_decode_claims_by_thread_count(*kern, seed);
     test_silu_mul_bits(*kern, seed);
     test_softmax_numerators_bits(*kern, seed);
     test_attend_one_position_bits(*kern, seed);

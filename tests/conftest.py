@@ -50,6 +50,14 @@ def python_command():
     return [emulator, sys.executable] if emulator else [sys.executable]
 
 
+def run_python(code: str, **env):
+    """Runs `code` in a child Python like this one (python_command) with this environment updated by `env` (a None
+    value removes that variable), within 300 s. Returns the CompletedProcess (stdout and stderr as text)."""
+    child_env = {**os.environ, **env}
+    return subprocess.run([*python_command(), "-c", code], capture_output=True, text=True, timeout=300,
+                          env={name: value for name, value in child_env.items() if value is not None})
+
+
 def require_optional(available: bool, hint: str) -> None:
     """Skip a test whose optional component (a model package, an extra) is missing, except under CI=true outside the
     emulated stage, where a missing component fails so that its tests cannot silently stop running."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import w8a8_cpu
-from conftest import python_command
+from conftest import python_command, run_python
 from w8a8_cpu import _build_info, reference
 
 # A variant name of another architecture: never compiled into this build.
@@ -94,11 +94,6 @@ def test_info_reports_dispatch():
     assert info["compiled_variants"] == _build_info.VARIANTS  # what CMake recorded as built into this library
     if info["arch"] == "x86_64":
         assert ("avx2" in info["runnable_variants"]) == ("avx2" in info["features"])
-
-
-def run_python(code, **env):
-    return subprocess.run([*python_command(), "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
 
 
 def test_isa_env_forces_variant():

@@ -1,4 +1,4 @@
-"""Opt-in drop-in for sglang's CPU W8A8 ops: ``torch.ops.sgl_kernel.*`` backed by w8a8_cpu.
+"""Drop-in for sglang's CPU W8A8 ops: ``torch.ops.sgl_kernel.*`` backed by w8a8_cpu, and an sglang plugin.
 
 sglang's W8A8 linear and MoE layers call ``torch.ops.sgl_kernel.{convert_weight_packed, per_token_quant_int8_cpu,
 int8_scaled_mm_cpu, int8_scaled_mm_with_quant, fused_experts_cpu}``; the real sgl_kernel only provides them on
@@ -22,13 +22,24 @@ declares hidden_states mutable (``Tensor(a0!)``, as vLLM's copy of the kernel de
 does not, and torch.compile then reorders or drops the inplace=True write.
 The fake kernels are the implementations themselves (their w8a8_cpu ops have fake kernels), so tracing validates
 the arguments as running does.
+
+sglang plugin (read in sglang 0.5.23, ``sglang/srt/plugins/__init__.py``): this distribution declares the entry point
+``w8a8_cpu = "w8a8_cpu.compat.sglang:plugin"`` in sglang's general-plugin group ``sglang.srt.plugins``. sglang's
+``load_plugins()`` calls every such entry point with no arguments, once per process, early in each process it starts
+(the engine, the scheduler, the detokenizer, the data-parallel controller, ``sglang serve``), so sglang's own CPU
+W8A8 linear and MoE code (its Arm path calls these ops on raw int8 weights) finds the ops with no import by the
+user. ``SGLANG_PLUGINS`` (comma-separated entry point names) restricts which plugins load: a list without
+``w8a8_cpu`` leaves these ops undefined. An installed sgl_kernel is imported before anything is registered, so a
+real sgl_kernel defines its ops first and is never overridden, whichever of the two sglang would import first.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import logging
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -198,13 +209,24 @@ def _existing_definition(name: str) -> Optional[str]:
     return f"already defined by another library ({'with' if has_cpu else 'without'} a CPU kernel): {schema}"
 
 
-def register() -> Dict[str, object]:
-    """Register sglang's CPU W8A8 ops as ``torch.ops.sgl_kernel.*`` where nothing defines them yet.
+def _import_installed_sgl_kernel() -> str:
+    """Imports an installed sgl_kernel, so that its ops are defined before ours: defined after ours, they would collide
+    with the names ours took, and its import would fail. One that fails to import (e.g. a CUDA build on a CPU-only
+    host) defines nothing. Returns what happened, for the log line ("" when none is installed)."""
+    if importlib.util.find_spec("sgl_kernel") is None:
+        return ""
+    try:
+        importlib.import_module("sgl_kernel")
+    except Exception as e:  # whatever its import raises; sglang's own probes of sgl_kernel catch any Exception too
+        return f"; sgl_kernel is installed but failed to import ({type(e).__name__}: {e})"
+    return "; sgl_kernel imported first"
 
-    Returns {"registered": [names now served by w8a8_cpu], "refused": {name: reason}}. An op some other library
-    (e.g. a real sgl_kernel) already defines is refused and left untouched, with a warning naming it. Idempotent:
-    a second call reports the ops of the first as registered and registers nothing again."""
+
+def _define_missing_ops() -> Tuple[Dict[str, object], str]:
+    """register()'s work, without its warning and log: ({"registered": [...], "refused": {name: reason}}, the line
+    to log)."""
     global _library
+    sgl_kernel = _import_installed_sgl_kernel()
     registered: List[str] = []
     refused: Dict[str, str] = {}
     register_fake = getattr(torch.library, "register_fake", None)
@@ -224,15 +246,36 @@ def register() -> Dict[str, object]:
             register_fake(f"{NAMESPACE}::{name}", _IMPLS[name], lib=_library)
         _registered.append(name)
         registered.append(name)
+    line = (f"w8a8_cpu.compat.sglang: serving sgl_kernel::{', '.join(registered) or '(none)'} with w8a8_cpu "
+            f"(variant {w8a8_cpu.info()['selected_variant']})")
     if refused:
-        message = "w8a8_cpu.compat.sglang: refused to register (never overwrites existing ops): " + "; ".join(
+        line += "; refused (never overwrites existing ops): " + "; ".join(
             f"sgl_kernel::{name} {why}" for name, why in refused.items())
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        logger.warning(message)
-    logger.info("w8a8_cpu.compat.sglang: serving sgl_kernel::%s with w8a8_cpu (variant %s)",
-                ", ".join(registered) or "(none)", w8a8_cpu.info()["selected_variant"])
-    return {"registered": registered, "refused": refused}
+    return {"registered": registered, "refused": refused}, line + sgl_kernel
 
 
-__all__ = ["register", "SCHEMAS", "convert_weight_packed", "per_token_quant_int8_cpu", "int8_scaled_mm_cpu",
+def register() -> Dict[str, object]:
+    """Register sglang's CPU W8A8 ops as ``torch.ops.sgl_kernel.*`` where nothing defines them yet.
+
+    Returns {"registered": [names now served by w8a8_cpu], "refused": {name: reason}}. An installed sgl_kernel is
+    imported first; an op it (or any other library) defines is refused and left untouched, with a warning naming it.
+    Logs one line (a warning when something was refused). Idempotent: a second call reports the ops of the first as
+    registered and registers nothing again."""
+    outcome, line = _define_missing_ops()
+    if outcome["refused"]:
+        warnings.warn(line, RuntimeWarning, stacklevel=2)
+        logger.warning(line)
+    else:
+        logger.info(line)
+    return outcome
+
+
+def plugin() -> None:
+    """sglang's entry point (group ``sglang.srt.plugins``, see the module docstring): register() for sglang's
+    processes, which logs one info line of what is served, what was refused and how an installed sgl_kernel
+    imported; refusing is this plugin's expected outcome beside a real sgl_kernel, so it warns of nothing."""
+    logger.info(_define_missing_ops()[1])
+
+
+__all__ = ["register", "plugin", "SCHEMAS", "convert_weight_packed", "per_token_quant_int8_cpu", "int8_scaled_mm_cpu",
            "int8_scaled_mm_with_quant", "fused_experts_cpu"]

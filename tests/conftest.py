@@ -50,11 +50,12 @@ def python_command():
     return [emulator, sys.executable] if emulator else [sys.executable]
 
 
-def run_python(code: str, **env):
-    """Runs `code` in a child Python like this one (python_command) with this environment updated by `env` (a None
-    value removes that variable), within 300 s. Returns the CompletedProcess (stdout and stderr as text)."""
+def run_python(code: str, *argv: str, timeout: float = 300, **env):
+    """Runs `code` in a child Python like this one (python_command) with arguments argv and this environment updated
+    by `env` (a None value removes that variable), within `timeout` s. Returns the CompletedProcess (stdout and
+    stderr as text)."""
     child_env = {**os.environ, **env}
-    return subprocess.run([*python_command(), "-c", code], capture_output=True, text=True, timeout=300,
+    return subprocess.run([*python_command(), "-c", code, *argv], capture_output=True, text=True, timeout=timeout,
                           env={name: value for name, value in child_env.items() if value is not None})
 
 

@@ -183,6 +183,15 @@ def quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor] = 
     bad = ~torch.isfinite(x32).all(dim=1)
     if _strict_finite() and bool(bad.any()):
         raise ValueError(f"x: row {int(bad.nonzero()[0])} contains NaN or Inf (W8A8_CPU_CHECK_FINITE=1)")
+    return _quantized_rows(x32, bad, input_scale, input_zero_point, symmetric)
+
+
+def _quantized_rows(x32: torch.Tensor, bad: torch.Tensor, input_scale: Optional[torch.Tensor],
+                    input_zero_point: Optional[torch.Tensor], symmetric: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """quantize_activations' arithmetic on fp32 rows [M, K] whose non-finite rows `bad` [M] are marked, its arguments
+    already checked: torch ops only, so that torch.compile(fullgraph=True) traces it (the vLLM plugin checks a
+    layer's static parameters once, at load)."""
     x32 = x32.masked_fill(bad[:, None], 0.0)
     if input_scale is None:
         scale, zero_point = asymmetric_activation_params(x32.amin(dim=1), x32.amax(dim=1))
@@ -210,14 +219,33 @@ def int8_scaled_mm_with_activations(x: torch.Tensor, w: torch.Tensor, w_scale: t
     if not symmetric and k > MAX_K_ZERO_POINT:
         raise ValueError(f"x: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' int32 "
                          f"accumulators could overflow")
+    if not symmetric and w_sum is None:
+        w_sum = weight_channel_sums(w)
     x_q, x_scale, zero_point = quantize_activations(x.reshape(-1, k), input_scale, input_zero_point, symmetric)
+    return _scaled_mm_of_rows(x, x_q, x_scale, zero_point, w, w_scale, bias, w_sum)
+
+
+def _scaled_mm_of_rows(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, zero_point: Optional[torch.Tensor],
+                       w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                       w_sum: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8_scaled_mm_with_activations after quantization: x_q [M, K] of x [..., K] -> [..., N] in x.dtype."""
     acc = ops.int8_mm(x_q, w)
     if zero_point is not None:
-        if w_sum is None:
-            w_sum = weight_channel_sums(w)
         acc = acc - zero_point[:, None] * w_sum[None, :]
     out = ops.scale_accumulators(acc, x_scale, w_scale, bias, x.dtype)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def traced_mm_with_activations(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+                               input_scale: Optional[torch.Tensor], input_zero_point: Optional[torch.Tensor],
+                               symmetric: bool, w_sum: Optional[torch.Tensor]) -> torch.Tensor:
+    """int8_scaled_mm_with_activations' outputs for arguments checked once beforehand (check_static_activation_params,
+    MAX_K_ZERO_POINT, w_sum given when asymmetric), in torch ops that torch.compile(fullgraph=True) traces: no
+    W8A8_CPU_CHECK_FINITE refusal here (a non-finite row gives a NaN output row)."""
+    x32 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    x_q, x_scale, zero_point = _quantized_rows(x32, ~torch.isfinite(x32).all(dim=1), input_scale, input_zero_point,
+                                               symmetric)
+    return _scaled_mm_of_rows(x, x_q, x_scale, zero_point, w, w_scale, bias, w_sum)
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from .._files import open_regular, publish, read_json_object, staging_folder, writing
 from .._functions import check_static_activation_params
 from .._packed_weight import is_int4_group
+from .pack_quantized import pack_int4_rows, unpack_int4_rows
 from ..nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
                   W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights,
                   fuse_projections, quantize_model, _replace_module, _require_plain_silu_experts)
@@ -187,25 +188,6 @@ def _compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, Tuple[i
     }
 
 
-_NIBBLE_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
-
-
-def _pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' pack-quantized int32 form of int4 values [rows, count]: value j of a row, plus 8, in bits
-    4 (j % 8) .. 4 (j % 8) + 3 of word j // 8; the last word padded with 0."""
-    rows, count = q.shape
-    words = -(-count // 8)
-    u = torch.nn.functional.pad(q.to(torch.int64) + 8, (0, words * 8 - count)).view(rows, words, 8)
-    packed = (u << _NIBBLE_SHIFTS).sum(dim=-1)
-    return torch.where(packed >= 2 ** 31, packed - 2 ** 32, packed).to(torch.int32)
-
-
-def _unpack_int4_rows(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """The int4 values [rows, count] of _pack_int4_rows' form."""
-    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> _NIBBLE_SHIFTS) & 0xF
-    return (nibbles.reshape(packed.shape[0], -1)[:, :count] - 8).to(torch.int8)
-
-
 def _expert_tensors(names, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale=None, down_scale=None):
     """Per-expert checkpoint tensors of fused experts (int8 + scales, or float when the scales are None)."""
     inter = gate_up.shape[1] // 2
@@ -247,8 +229,8 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: _Naming):
                              f"(min_max rounding) or that have channel scales, which compressed-tensors' int4 format "
                              f"cannot hold exactly; quantize without min_max to save it")
         if zero is not None:  # packed 8 per int32 along the channels, as compressed-tensors packs zero points
-            tensors[f"{prefix}.weight_zero_point"] = _pack_int4_rows(zero.to(torch.int8).T.contiguous()).T.contiguous()
-        tensors[f"{prefix}.weight_packed"] = _pack_int4_rows(q)
+            tensors[f"{prefix}.weight_zero_point"] = pack_int4_rows(zero.to(torch.int8).T.contiguous()).T.contiguous()
+        tensors[f"{prefix}.weight_packed"] = pack_int4_rows(q)
         tensors[f"{prefix}.weight_scale"] = scale.clone()
         tensors[f"{prefix}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
         if bias is not None:
@@ -1033,7 +1015,7 @@ class _Loader:
             if shape.tolist() != [n, k]:
                 raise ValueError(f"{self.tensors._where(f'{layer}.weight_shape')} is {_echo(shape.tolist())}; the "
                                  f"model's layer is [{n}, {k}]")
-            q = _unpack_int4_rows(packed, k)
+            q = unpack_int4_rows(packed, k)
         else:
             q = self.tensors.int8(f"{layer}.weight", [n, k])
             if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
@@ -1046,7 +1028,7 @@ class _Loader:
             if args.packed:
                 zero = self.tensors._take(key, ("I32",), [[-(-n // 8), groups]],
                                           "int4 zero points, 8 per int32 along the channels")
-                zero = _unpack_int4_rows(zero.T.contiguous(), n).T
+                zero = unpack_int4_rows(zero.T.contiguous(), n).T
             else:
                 zero = self.tensors._take(key, ("I8", "I32"), [[n, groups]], "int4 zero points")
                 if zero.numel() and (int(zero.min()) < -8 or int(zero.max()) > 7):

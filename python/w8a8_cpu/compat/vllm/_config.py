@@ -1,0 +1,48 @@
+"""vLLM's compressed-tensors quantization config, with w8a8_cpu's W4A8 scheme and MoE method chosen where they apply
+(registered under vLLM's own name, "compressed-tensors"); every other layer gets vLLM's choice unchanged."""
+from __future__ import annotations
+
+import logging
+
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA8Int
+
+from ._linear import W8A8CpuW4A8
+from ._moe import W8A8CpuMoE, serves
+
+logger = logging.getLogger("vllm.plugins.w8a8_cpu")
+
+
+class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
+
+    def get_scheme(self, layer, layer_name=None):
+        scheme = super().get_scheme(layer, layer_name)
+        if isinstance(scheme, CompressedTensorsWNA8Int):
+            parts = self.get_scheme_dict(layer, layer_name)
+            weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
+            if W8A8CpuW4A8.implements(weight_quant, input_quant):
+                return W8A8CpuW4A8(weight_quant.group_size if weight_quant.strategy == "group" else 0)
+            logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
+                        "dynamic per-token activations)", layer_name, type(scheme).__name__)
+        return scheme
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, RoutedExperts):
+            weight_quant, input_quant = self._moe_arguments(layer, prefix)
+            why_not = serves(layer.moe_config, weight_quant, input_quant)
+            if not why_not:
+                return W8A8CpuMoE(weight_quant, input_quant, layer.moe_config)
+            logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)
+        return super().get_quant_method(layer, prefix)
+
+    def _moe_arguments(self, layer, prefix):
+        """The compressed-tensors arguments of an MoE layer's experts, as vLLM's own MoE method reads them: the
+        first expert's projections, which must agree (None, None: no scheme, or the projections differ)."""
+        self._add_fused_moe_to_target_scheme_map()
+        names = [f"{prefix}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
+                                              layer.ckpt_down_proj_name)]
+        schemes = [self.get_scheme_dict(layer, name) for name in names]
+        if schemes[0] is None or any(s != schemes[0] for s in schemes):
+            return None, None
+        return schemes[0].get("weights"), schemes[0].get("input_activations")

@@ -1,0 +1,156 @@
+"""The plugin's linear layers: W8A8CpuInt8Kernel (vLLM's Int8ScaledMMLinearKernel interface: every int8 W8A8
+scheme of vLLM's) and W8A8CpuW4A8 (a compressed-tensors scheme: pack-quantized symmetric int4 weights, int8 dynamic
+per-token activations). Both pack the loaded weight once into a w8a8_cpu blob and keep what each call needs as the
+layer's parameters, under vLLM's own names; every call is then w8a8_cpu's op (exactly W8A8Linear / W4A8Linear on the
+same tensors)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (Int8ScaledMMLinearKernel,
+                                                                                Int8ScaledMMLinearLayerConfig)
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsScheme
+from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleParameter, GroupQuantScaleParameter,
+                                           PackedvLLMParameter)
+from vllm.model_executor.utils import replace_parameter
+from vllm.platforms import current_platform
+from vllm.platforms.interface import CpuArchEnum
+
+from ..._functions import (MAX_K_ZERO_POINT, check_static_activation_params, pack_weight, pack_weight_int4,
+                           traced_mm_with_activations)
+from ..._packed_weight import is_int4_group
+from ...llm.pack_quantized import unpack_int4_rows
+from . import mode
+from ._hooks import announce
+
+_ops = torch.ops.w8a8_cpu
+
+
+def vllm_amx_int8() -> bool:
+    """Whether vLLM's CPU int8 kernel runs sgl-kernel's AMX GEMM here (x86 with AMX tiles: CPUInt8ScaledMMLinearKernel's
+    choice for symmetric activations; it ignores a static input scale there, and quantizes each token instead)."""
+    return current_platform.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+
+
+def _fp32_bias(layer: torch.nn.Module) -> None:
+    """The layer's bias once in fp32 as `bias_fp32` (the op's epilogue adds fp32; vLLM keeps it in the model dtype)."""
+    bias = getattr(layer, "bias", None)
+    if bias is not None:
+        layer.register_parameter("bias_fp32", torch.nn.Parameter(bias.detach().float(), requires_grad=False))
+
+
+def _call_bias(layer: torch.nn.Module, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """vLLM passes layer.bias, or None where the layer adds it elsewhere (skip_bias_add, ranks but the first)."""
+    return None if bias is None else layer.bias_fp32
+
+
+class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
+    """int8 weights (per channel, or per tensor of each fused part), int8 activations dynamic per token or static per
+    tensor, symmetric or with a zero point."""
+
+    @classmethod
+    def is_supported(cls, compute_capability: Optional[int] = None):
+        return (True, None) if current_platform.is_cpu() else (False, "requires CPU.")
+
+    @classmethod
+    def can_implement(cls, c: Int8ScaledMMLinearLayerConfig):
+        # vLLM's AMX kernel takes bf16 / fp16 activations only (an fp32 model fails there at its first step)
+        half_model = torch.get_default_dtype() in (torch.bfloat16, torch.float16)  # the model's, while vLLM builds it
+        if c.input_symmetric and not c.is_static_input_scheme and half_model and vllm_amx_int8() and mode() != "all":
+            return False, ("leaves dynamic symmetric int8 layers to vLLM's AMX kernel on this CPU (W8A8_CPU_VLLM=all "
+                           "takes them)")
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        w_name, scale_name, input_scale_name, zero_point_name, w_sum_name = self.layer_param_names
+        weight = getattr(layer, w_name).detach()
+        n, k = weight.shape
+        scale = getattr(layer, scale_name).detach().to(torch.float32)
+        if not self.config.is_channelwise:  # one scale per fused part (q, k, v): repeated over its channels
+            widths = torch.tensor(layer.logical_widths)
+            scale = scale.reshape(-1).repeat_interleave(widths)
+        scale = scale.reshape(-1)
+        if scale.numel() != n:
+            raise ValueError(f"{scale_name}: {scale.numel()} scales for {n} output channels")
+        replace_parameter(layer, w_name, pack_weight(weight.contiguous()))
+        replace_parameter(layer, scale_name, scale.contiguous())
+        symmetric = self.config.input_symmetric
+        if not symmetric and k > MAX_K_ZERO_POINT:
+            raise ValueError(f"{w_name}: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' "
+                             f"int32 accumulators could overflow")
+        if self.config.is_static_input_scheme:
+            input_scale = getattr(layer, input_scale_name).detach().to(torch.float32).reshape(1)
+            zero_point = getattr(layer, zero_point_name, None)
+            zero_point = None if symmetric else zero_point.detach().to(torch.int32).reshape(1)
+            check_static_activation_params(input_scale, zero_point, symmetric)
+            replace_parameter(layer, input_scale_name, input_scale)
+            if zero_point is not None:
+                replace_parameter(layer, zero_point_name, zero_point)
+        replace_parameter(layer, w_sum_name, None if symmetric else weight.sum(dim=1, dtype=torch.int32))
+        _fp32_bias(layer)
+        self.dynamic_symmetric = symmetric and not self.config.is_static_input_scheme
+        announce("W8A8 int8 linear layers (" + ("dynamic" if not self.config.is_static_input_scheme else "static")
+                 + (" symmetric" if symmetric else " asymmetric") + " activations)")
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        w, w_scale, input_scale, zero_point, w_sum = self._get_layer_params(layer)
+        if self.dynamic_symmetric:
+            return _ops.int8_scaled_mm_with_quant(x, w, w_scale, _call_bias(layer, bias), None)
+        return traced_mm_with_activations(x, w, w_scale, _call_bias(layer, bias), input_scale, zero_point,
+                                          self.config.input_symmetric, w_sum)
+
+
+class W8A8CpuW4A8(CompressedTensorsScheme):
+    """pack-quantized int4 weights, symmetric, per group (a power of two in [32, 65536]) or per channel; int8 dynamic
+    per-token symmetric activations. The group scales load in fp32 (vLLM's own scheme keeps them in the model dtype,
+    which can round a checkpoint's fp16 scales)."""
+
+    def __init__(self, group_size: Optional[int]):
+        self.group_size = group_size or 0  # 0: per channel
+
+    @staticmethod
+    def implements(weight_quant, input_quant) -> bool:
+        """Whether this scheme serves a layer whose compressed-tensors arguments vLLM gave to CompressedTensorsWNA8Int."""
+        group = weight_quant.group_size if weight_quant.strategy == "group" else 0
+        return (weight_quant.num_bits == 4 and weight_quant.symmetric and is_int4_group(group or 0)
+                and weight_quant.strategy in ("group", "channel") and input_quant is not None
+                and input_quant.num_bits == 8 and input_quant.symmetric and input_quant.dynamic
+                and input_quant.strategy == "token")
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    def create_weights(self, layer: torch.nn.Module, output_size: int, input_size: int, output_partition_sizes,
+                       input_size_per_partition: int, params_dtype: torch.dtype, weight_loader, **kwargs) -> None:
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        self.in_features = k
+        if self.group_size and k % self.group_size:
+            raise ValueError(f"weight_packed: K = {k} on this rank is not a multiple of the group size "
+                             f"{self.group_size}")
+        layer.register_parameter("weight_packed", PackedvLLMParameter(
+            data=torch.empty(n, -(-k // 8), dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=1,
+            packed_factor=8, weight_loader=weight_loader))
+        if self.group_size:
+            scale = GroupQuantScaleParameter(data=torch.empty(n, k // self.group_size, dtype=torch.float32),
+                                             output_dim=0, input_dim=1, weight_loader=weight_loader)
+        else:  # one scale per channel: the same on every rank of a row-parallel layer
+            scale = ChannelQuantScaleParameter(data=torch.empty(n, 1, dtype=torch.float32), output_dim=0,
+                                               weight_loader=weight_loader)
+        layer.register_parameter("weight_scale", scale)
+        layer.register_parameter("weight_shape", BasevLLMParameter(data=torch.empty(2, dtype=torch.int64),
+                                                                    weight_loader=weight_loader))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
+        blob = pack_weight_int4(q, layer.weight_scale.detach(), None, self.group_size)
+        replace_parameter(layer, "weight_packed", blob)
+        replace_parameter(layer, "weight_scale", torch.ones(q.shape[0], dtype=torch.float32))  # the op's per-channel factor on top
+        layer.weight_shape = None  # the blob's header holds the shape
+        _fp32_bias(layer)
+        announce(f"W4A8 linear layers (int4 {f'groups of {self.group_size}' if self.group_size else 'per channel'})")
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return _ops.int8_scaled_mm_with_quant(x, layer.weight_packed, layer.weight_scale, _call_bias(layer, bias),
+                                              None)

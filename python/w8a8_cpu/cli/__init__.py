@@ -76,7 +76,7 @@ def _parsers():
     check.add_argument("--no-bench", action="store_true", help="skip the benchmark")
     check.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     from . import bench as bench_mod
-    from . import bench_llm
+    from . import bench_llm, bench_serve
     from . import quantize as quantize_mod
 
     quantize = sub.add_parser("quantize", help="a W8A8 (or W4A8) compressed-tensors checkpoint from a transformers "
@@ -88,12 +88,16 @@ def _parsers():
                            description=bench_mod.DESCRIPTION)
     bench_mod.add_arguments(bench)
     # `bench llm [its options]`: a mode of bench with options of its own; plain `bench [options]` is the suite
-    bench_modes = bench.add_subparsers(dest="bench_mode", metavar="{llm}")
+    bench_modes = bench.add_subparsers(dest="bench_mode", metavar="{llm,serve}")
     bench_llm_parser = bench_modes.add_parser("llm", help="end-to-end SmolLM2-135M decode and prefill of fp32, "
                                               "torch.ao, W8A8 and CTranslate2 int8", description=bench_llm.DESCRIPTION)
     bench_llm.add_arguments(bench_llm_parser)
+    bench_serve_parser = bench_modes.add_parser("serve", help="vLLM serving checkpoints with the w8a8_cpu plugin and "
+                                                "with its own kernels, from an OpenAI-API client",
+                                                description=bench_serve.DESCRIPTION)
+    bench_serve.add_arguments(bench_serve_parser)
     return parser, {"llm": llm, "demo": demo, "check": check, "bench": bench, "bench llm": bench_llm_parser,
-                    "quantize": quantize}
+                    "bench serve": bench_serve_parser, "quantize": quantize}
 
 
 def main(argv: List[str] = None) -> int:
@@ -129,6 +133,10 @@ def main(argv: List[str] = None) -> int:
         from . import bench_llm
 
         return bench_llm.run(args, subs["bench llm"])
+    if args.command == "bench" and args.bench_mode == "serve":
+        from . import bench_serve
+
+        return bench_serve.run(args, subs["bench serve"])
     if args.command == "quantize":
         from . import quantize as quantize_mod
 

@@ -35,16 +35,30 @@ def thread_binding(threads: int) -> str:
     return "0" if threads == 1 else f"0-{threads - 1}"
 
 
-def server_env(threads: int, plugin: str, cache_root: Optional[Path] = None, kv_cache_gib: int = 2
-               ) -> Dict[str, str]:
+# A sitecustomize for vLLM's processes that makes torch report no AMX tiles: vLLM 0.32 then picks its CPU int8 and
+# int4 kernels as on a CPU without AMX (oneDNN; its sgl-kernel AMX GEMMs need the tiles), and ONEDNN_MAX_CPU_ISA keeps
+# oneDNN to AVX-512 VNNI: the kernels vLLM runs on an avx512_vnni CPU (Zen4, Ice Lake), on this one.
+NO_AMX_SITE = """import torch.cpu
+torch.cpu._is_amx_tile_supported = lambda: False
+"""
+
+
+def server_env(threads: int, plugin: str, cache_root: Optional[Path] = None, kv_cache_gib: int = 2,
+               hide_amx_in: Optional[Path] = None) -> Dict[str, str]:
     """The environment of a vLLM CPU process: the plugin's switch (W8A8_CPU_VLLM: "0", "1" or "all"), its OpenMP
     threads bound to the first cores, a KV cache of kv_cache_gib (vLLM's CPU default takes a share of the machine's
-    memory), offline; vLLM's compile cache under cache_root when given (else the user's, ~/.cache/vllm)."""
+    memory), offline; vLLM's compile cache under cache_root when given (else the user's, ~/.cache/vllm); with
+    hide_amx_in, a folder to write NO_AMX_SITE into, vLLM's kernels as on a CPU without AMX."""
     env = {**os.environ, PLUGIN_SWITCH: plugin, "VLLM_CPU_OMP_THREADS_BIND": thread_binding(threads),
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if cache_root is not None:
         env["VLLM_CACHE_ROOT"] = str(cache_root)
+    if hide_amx_in is not None:
+        hide_amx_in.mkdir(parents=True, exist_ok=True)
+        (hide_amx_in / "sitecustomize.py").write_text(NO_AMX_SITE)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hide_amx_in), os.environ.get("PYTHONPATH")) if p)
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_VNNI"
     return env
 
 
@@ -78,18 +92,19 @@ class Server:
 
 @contextlib.contextmanager
 def vllm_server(model: str, log: Path, threads: int, plugin: str, cache_root: Optional[Path] = None,
-                max_model_len: int = 2048, max_num_seqs: int = 32, start_timeout_s: float = 900,
-                extra_args: Sequence[str] = ()) -> Iterator[Server]:
+                hide_amx_in: Optional[Path] = None, max_model_len: int = 2048, max_num_seqs: int = 32,
+                start_timeout_s: float = 900, extra_args: Sequence[str] = ()) -> Iterator[Server]:
     """vLLM serving `model` on a free loopback port until the block ends (then its whole process group is killed);
-    plugin and cache_root: server_env's. Raises RuntimeError with the end of its log when it exits or is not ready
-    within start_timeout_s."""
+    plugin, cache_root, hide_amx_in: server_env's. Raises RuntimeError with the end of its log when it exits or is not
+    ready within start_timeout_s."""
     port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", HOST, "--port",
             str(port), "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--served-model-name", "model", *extra_args]
     with open(log, "wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=server_env(threads, plugin, cache_root), start_new_session=True)
+                                   env=server_env(threads, plugin, cache_root, hide_amx_in=hide_amx_in),
+                                   start_new_session=True)
     server = Server(port, process, log, "model")
     try:
         deadline = time.monotonic() + start_timeout_s

@@ -9,7 +9,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA8Int
 
 from ._linear import W8A8CpuW4A8
-from ._moe import W8A8CpuMoE, serves
+from ._moe import method_for
 
 logger = logging.getLogger("vllm.plugins.w8a8_cpu")
 
@@ -29,20 +29,20 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
 
     def get_quant_method(self, layer, prefix):
         if isinstance(layer, RoutedExperts):
-            weight_quant, input_quant = self._moe_arguments(layer, prefix)
-            why_not = serves(layer.moe_config, weight_quant, input_quant)
-            if not why_not:
-                return W8A8CpuMoE(weight_quant, input_quant, layer.moe_config)
-            logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)
+            parts = self._moe_scheme(layer, prefix)
+            if parts is not None:
+                weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
+                method, why_not = method_for(layer.moe_config, weight_quant, input_quant, parts.get("format"))
+                if method is not None:
+                    return method(weight_quant, input_quant, layer.moe_config)
+                logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)
         return super().get_quant_method(layer, prefix)
 
-    def _moe_arguments(self, layer, prefix):
-        """The compressed-tensors arguments of an MoE layer's experts, as vLLM's own MoE method reads them: the
-        first expert's projections, which must agree (None, None: no scheme, or the projections differ)."""
+    def _moe_scheme(self, layer, prefix):
+        """The compressed-tensors scheme of an MoE layer's experts, as vLLM's own MoE method reads it: the first
+        expert's projections, which must agree (None: no scheme, or the projections differ: vLLM decides)."""
         self._add_fused_moe_to_target_scheme_map()
         names = [f"{prefix}.0.{p}" for p in (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name,
                                               layer.ckpt_down_proj_name)]
         schemes = [self.get_scheme_dict(layer, name) for name in names]
-        if schemes[0] is None or any(s != schemes[0] for s in schemes):
-            return None, None
-        return schemes[0].get("weights"), schemes[0].get("input_activations")
+        return schemes[0] if schemes[0] is not None and all(s == schemes[0] for s in schemes) else None

@@ -1,6 +1,8 @@
-"""The plugin's fused MoE: int8 per-channel experts with int8 dynamic per-token activations (vLLM's
-CompressedTensorsW8A8Int8MoEMethod's checkpoints), SiLU-gated, run by w8a8_cpu.fused_experts on experts packed
-once at load."""
+"""The plugin's fused MoE methods, SiLU-gated experts with int8 dynamic per-token symmetric activations, run by
+w8a8_cpu.fused_experts on experts packed once at load:
+- W8A8CpuMoE: int8 per-channel experts (the checkpoints of vLLM's CompressedTensorsW8A8Int8MoEMethod);
+- W8A8CpuW4A8MoE: pack-quantized symmetric int4 experts per group (32 .. 65536) or channel, which vLLM 0.32 hands
+  to a KleidiAI (Arm-only) method expecting int4 values stored one per int8, so it cannot load them on x86."""
 from __future__ import annotations
 
 import torch
@@ -9,27 +11,40 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
     CompressedTensorsMoEMethod)
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_int8 import (  # noqa: E501
     CompressedTensorsW8A8Int8MoEMethod)
-from vllm.model_executor.utils import replace_parameter
+from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 
-from ..._functions import pack_moe_weights
+from ..._functions import pack_experts_int4, pack_moe_weights
+from ..._packed_weight import is_int4_group
+from ...llm.pack_quantized import unpack_int4_rows
 from ._hooks import announce
 
 _ops = torch.ops.w8a8_cpu
 
 
-def serves(moe_config, weight_quant, input_quant) -> str:
-    """Why W8A8CpuMoE cannot serve an MoE layer ('' when it can)."""
-    if weight_quant is None or input_quant is None or weight_quant.num_bits != 8 or weight_quant.strategy != "channel" \
-            or not weight_quant.symmetric or input_quant.num_bits != 8 or input_quant.strategy != "token" \
-            or not input_quant.dynamic or not input_quant.symmetric:
-        return "not int8 per-channel weights with int8 dynamic per-token symmetric activations"
+def int4_group(weight_quant) -> int:
+    """The int4 group size of compressed-tensors weight arguments (0: per channel)."""
+    return weight_quant.group_size if weight_quant.strategy == "group" else 0
+
+
+def method_for(moe_config, weight_quant, input_quant, checkpoint_format):
+    """(our method's class, '') for an MoE layer the plugin serves, else (None, why not)."""
+    if input_quant is None or input_quant.num_bits != 8 or input_quant.strategy != "token" \
+            or not input_quant.dynamic or not input_quant.symmetric or weight_quant is None \
+            or not weight_quant.symmetric:
+        return None, "not symmetric weights with int8 dynamic per-token symmetric activations"
+    if weight_quant.num_bits == 8 and weight_quant.strategy == "channel":
+        method = W8A8CpuMoE
+    elif weight_quant.num_bits == 4 and checkpoint_format == "pack-quantized" and is_int4_group(int4_group(weight_quant)):
+        method = W8A8CpuW4A8MoE
+    else:
+        return None, f"{weight_quant.num_bits}-bit {weight_quant.strategy} weights ({checkpoint_format})"
     if moe_config.activation != MoEActivation.SILU or not moe_config.is_act_and_mul:
-        return f"activation {moe_config.activation} (SiLU-gated only)"
+        return None, f"activation {moe_config.activation} (SiLU-gated only)"
     if moe_config.has_bias or moe_config.swiglu_limit is not None:
-        return "expert biases or a clamped SwiGLU"
+        return None, "expert biases or a clamped SwiGLU"
     if moe_config.moe_parallel_config.use_ep:
-        return "expert parallelism"
-    return ""
+        return None, "expert parallelism"
+    return method, ""
 
 
 class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
@@ -53,5 +68,49 @@ class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
         return _ops.fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                  layer.w13_weight_scale, layer.w2_weight_scale, "silu",
+                                  layer.apply_router_weight_on_input)
+
+
+class W8A8CpuW4A8MoE(W8A8CpuMoE):
+    """pack-quantized int4 experts: int32 words of 8 values [E, N, K / 8] and fp32 group scales [E, N, groups] per
+    projection, under the names vLLM's pack-quantized MoE methods load (w13_weight_packed, w13_weight_scale, ...,
+    quant_method "group" or "channel"); the scales in fp32, so that a checkpoint's fp16 scales load exactly."""
+
+    def __init__(self, weight_quant, input_quant, moe) -> None:
+        super().__init__(weight_quant, input_quant, moe)
+        self.group_size = int4_group(weight_quant)
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        inter = intermediate_size_per_partition
+        for k in (hidden_size, inter):
+            if self.group_size and k % self.group_size:
+                raise ValueError(f"w13/w2_weight_packed: K = {k} is not a multiple of the group size "
+                                 f"{self.group_size}")
+        extra_weight_attrs.update({"is_transposed": False, "quant_method": "group" if self.group_size else "channel"})
+        shapes = {"w13": (num_experts, 2 * inter, hidden_size), "w2": (num_experts, hidden_size, inter)}
+        for name, (e, n, k) in shapes.items():
+            groups = k // self.group_size if self.group_size else 1
+            for suffix, shape, dtype in (("weight_packed", (e, n, -(-k // 8)), torch.int32),
+                                         ("weight_scale", (e, n, groups), torch.float32),
+                                         ("weight_shape", (e, 2), torch.float32)):
+                parameter = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+                layer.register_parameter(f"{name}_{suffix}", parameter)
+                set_weight_attrs(parameter, extra_weight_attrs)
+        layer.w8a8_cpu_shapes = shapes
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for name, (e, n, k) in layer.w8a8_cpu_shapes.items():
+            packed = getattr(layer, f"{name}_weight_packed").detach()
+            q = unpack_int4_rows(packed.reshape(e * n, -1), k).reshape(e, n, k)
+            blob = pack_experts_int4(q, getattr(layer, f"{name}_weight_scale").detach(), None, self.group_size)
+            replace_parameter(layer, f"{name}_weight_packed", blob)
+            replace_parameter(layer, f"{name}_weight_scale", torch.ones(e, n, dtype=torch.float32))
+            setattr(layer, f"{name}_weight_shape", None)  # each blob's header holds its shape
+        announce(f"int4 fused MoE experts ({f'groups of {self.group_size}' if self.group_size else 'per channel'})")
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        return _ops.fused_experts(x, layer.w13_weight_packed, layer.w2_weight_packed, topk_weights, topk_ids,
                                   layer.w13_weight_scale, layer.w2_weight_scale, "silu",
                                   layer.apply_router_weight_on_input)

@@ -183,6 +183,13 @@ print(json.dumps({"equal": equal, "mismatches": mismatches[:3]}))
 """
 
 
+def served_layers(checkpoint: Path, tmp_path: Path, switch: str) -> dict:
+    child = run_python(LAYERS, str(checkpoint), W8A8_CPU_VLLM=switch, VLLM_CPU_KVCACHE_SPACE="1",
+                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("kind, expected", [
     ("dynamic", {"int8:CompressedTensorsW8A8Int8": 8}),   # 2 layers x q/k/v, o, gate/up, down
     ("static", {"int8:CompressedTensorsW8A8Int8": 8}),
@@ -194,11 +201,20 @@ print(json.dumps({"equal": equal, "mismatches": mismatches[:3]}))
 def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected):
     require_vllm()
     checkpoint = tiny_checkpoint(tmp_path / kind, kind)
-    child = run_python(LAYERS, str(checkpoint), W8A8_CPU_VLLM="all", VLLM_CPU_KVCACHE_SPACE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    assert result == {"equal": expected, "mismatches": []}
+    assert served_layers(checkpoint, tmp_path, "all") == {"equal": expected, "mismatches": []}
+
+
+def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
+    """W8A8_CPU_VLLM=1 on a CPU with AMX tiles: the dynamic W8A8 and the int8 MoE layers stay with vLLM's AMX kernels,
+    the int4 MoE (which vLLM cannot run on x86) is ours; without AMX the default serves them all."""
+    require_vllm()
+    amx = torch.cpu._is_amx_tile_supported()
+    checkpoint = tiny_checkpoint(tmp_path / "moe", "moe")
+    assert served_layers(checkpoint, tmp_path, "1") == {
+        "equal": {} if amx else {"int8:CompressedTensorsW8A8Int8": 4, "W8A8CpuMoE": 2}, "mismatches": []}
+    checkpoint = tiny_checkpoint(tmp_path / "moe-w4a8", "moe-w4a8")
+    assert served_layers(checkpoint, tmp_path, "1") == {
+        "equal": {"W8A8CpuW4A8MoE": 2} if amx else {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}, "mismatches": []}
 
 
 # ---- a real server, a real client -------------------------------------------------------------------------------
@@ -239,8 +255,9 @@ def test_vllm_serve_answers_with_our_kernels_and_its_perplexity_is_ours(tmp_path
 
 
 def test_vllm_serve_w4a8_with_the_plugin_on_and_off(tmp_path):
-    """A W4A8 checkpoint (`quantize --scheme w4a8`) served with the plugin (our W4A8 layers) and without it (vLLM's
-    CPUWNA16, bf16 after dequantizing): both answer greedy completions; each server's log names its kernels."""
+    """A W4A8 checkpoint (`quantize --scheme w4a8`) served with the plugin (W8A8_CPU_VLLM=all: our W4A8 layers) and
+    without it (vLLM's CPUWNA16, bf16 after dequantizing): both answer greedy completions; each server's log names its
+    kernels."""
     require_vllm()
     from test_llm import _require_model
     _require_model()
@@ -252,11 +269,11 @@ def test_vllm_serve_w4a8_with_the_plugin_on_and_off(tmp_path):
     made = quantize(smollm2.ensure_cache(), checkpoint, "--scheme", "w4a8", "--rounding", "rtn", "--smoothquant",
                     "none")
     assert made.returncode == 0, made.stderr[-3000:]
-    for plugin in ("1", "0"):
+    for plugin in ("all", "0"):  # all: ours on every CPU (with AMX, the default leaves W4A8 to vLLM)
         with serving.vllm_server(str(checkpoint), tmp_path / f"vllm-{plugin}.log", threads=2, plugin=plugin,
                                  cache_root=tmp_path / "vllm-cache", extra_args=["--enforce-eager"]) as server:
             served = serving.stream_completion(server, "The GNU General Public License is", 8, ignore_eos=True)
             log = server.log.read_text(errors="replace")
         assert len(served.tokens) == 8 and served.text.strip()
-        assert ("serves W4A8 linear layers (int4 groups of 32)" in log) == (plugin == "1")
+        assert ("serves W4A8 linear layers (int4 groups of 32)" in log) == (plugin == "all")
         assert ("Using CPUWNA16LinearKernel for CompressedTensorsWNA8Int" in log) == (plugin == "0")

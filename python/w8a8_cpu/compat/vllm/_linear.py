@@ -27,10 +27,12 @@ from ._hooks import announce
 _ops = torch.ops.w8a8_cpu
 
 
-def vllm_amx_int8() -> bool:
-    """Whether vLLM's CPU int8 kernel runs sgl-kernel's AMX GEMM here (x86 with AMX tiles: CPUInt8ScaledMMLinearKernel's
-    choice for symmetric activations; it ignores a static input scale there, and quantizes each token instead)."""
-    return current_platform.get_cpu_architecture() == CpuArchEnum.X86 and torch.cpu._is_amx_tile_supported()
+def leaves_to_vllm_amx() -> bool:
+    """Whether the layers vLLM runs with AMX kernels stay with vLLM: W8A8_CPU_VLLM=1 on x86 with AMX tiles, where
+    vLLM's CPU int8 linear (sgl-kernel's int8_scaled_mm_with_quant, bf16 / fp16 activations; it ignores a static input
+    scale there and quantizes each token instead), int4 linear (CPUWNA16's AMX path) and int8 MoE run on AMX."""
+    return (mode() != "all" and current_platform.get_cpu_architecture() == CpuArchEnum.X86
+            and torch.cpu._is_amx_tile_supported())
 
 
 def _fp32_bias(layer: torch.nn.Module) -> None:
@@ -57,7 +59,7 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
     def can_implement(cls, c: Int8ScaledMMLinearLayerConfig):
         # vLLM's AMX kernel takes bf16 / fp16 activations only (an fp32 model fails there at its first step)
         half_model = torch.get_default_dtype() in (torch.bfloat16, torch.float16)  # the model's, while vLLM builds it
-        if c.input_symmetric and not c.is_static_input_scheme and half_model and vllm_amx_int8() and mode() != "all":
+        if c.input_symmetric and not c.is_static_input_scheme and half_model and leaves_to_vllm_amx():
             return False, ("leaves dynamic symmetric int8 layers to vLLM's AMX kernel on this CPU (W8A8_CPU_VLLM=all "
                            "takes them)")
         return True, None

@@ -54,6 +54,36 @@ def test_switch_values(monkeypatch, value, mode):
     assert plugin.mode() == mode
 
 
+def test_bench_serve_tables_give_the_plugins_ratio_to_vllms_own():
+    from w8a8_cpu.cli.bench_serve import format_tables
+    row = dict(model="m", threads=1, concurrency=8, ttft_s=0.1, tpot_s=0.02, failed=0)
+    rows = [{**row, "mode": "1", "output_tok_s": 150.0}, {**row, "mode": "0", "output_tok_s": 100.0}]
+    profiles = [{**row, "mode": "1", "linear_ms": 30.0, "wall_ms": 100.0}, {**row, "mode": "0", "linear_ms": 40.0,
+                                                                             "wall_ms": 120.0}]
+    soaked = dict(model="m", mode="1", concurrency=32, seconds=600, served=640, failed=0,
+                  samples=[{"rss_mib": 1000.0}, {"rss_mib": 1012.0}, {"rss_mib": 1004.0}])
+    assert format_tables(rows, profiles, soaked).splitlines() == [
+        "| model | threads | concurrency | mode | output tok/s | TTFT ms | TPOT ms | failed | plugin / own |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| m | 1 | 8 | w8a8_cpu (default) | 150.0 | 100 | 20.0 | 0 | 1.50x |",
+        "| m | 1 | 8 | vLLM's own | 100.0 | 100 | 20.0 | 0 |  |",
+        "",
+        "| model | threads | concurrency | mode | linear/MoE ops ms | engine ms | share | plugin / own |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+        "| m | 1 | 8 | w8a8_cpu (default) | 30 | 100 | 30% | 0.75x |",
+        "| m | 1 | 8 | vLLM's own | 40 | 120 | 33% |  |",
+        "",
+        "soak: m, w8a8_cpu (default), concurrency 32, 600 s: 640 requests served, 0 failed; resident memory 1000 MiB "
+        "after the first batch, 1012 max, 1004 at the end"]
+
+
+def test_bench_serve_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    child = run_python("import sys; from w8a8_cpu.cli import main; sys.exit(main(sys.argv[1:]))", "bench", "serve",
+                       str(tmp_path))
+    assert child.returncode == 2
+    assert child.stderr.strip().splitlines()[-1].endswith(f"{tmp_path}: not a checkpoint directory (no config.json)")
+
+
 # ---- vLLM's registries before and after register() -------------------------------------------------------------
 
 # In a child: vLLM's CPU int8 kernel list and compressed-tensors config class after `setup` and the plugin's

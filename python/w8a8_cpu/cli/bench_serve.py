@@ -167,25 +167,31 @@ def soak(args, work: Path) -> dict:
             "served": served, "failed": failed, "samples": samples}
 
 
+def _table(columns: List[str], items: List[dict], value, cells) -> List[str]:
+    """A markdown table of serving or profile results: per item its model, threads, concurrency and mode, cells(item),
+    and value(item) over vLLM's own (mode "0") at the same model, threads and concurrency."""
+    def key(item):
+        return item["model"], item["threads"], item["concurrency"]
+
+    own = {key(i): i for i in items if i["mode"] == "0"}
+    lines = ["| model | threads | concurrency | mode | " + " | ".join(columns) + " | plugin / own |",
+             "|---|---:|---:|---|" + "---:|" * len(columns) + "---:|"]
+    for i in items:
+        base = own.get(key(i))
+        ratio = f"{value(i) / value(base):.2f}x" if base and i["mode"] != "0" else ""
+        lines.append(f"| {i['model']} | {i['threads']} | {i['concurrency']} | {MODES[i['mode']]} | "
+                     + " | ".join(cells(i)) + f" | {ratio} |")
+    return lines
+
+
 def format_tables(rows: List[dict], profiles: List[dict], soaked: dict) -> str:
-    lines = ["| model | threads | concurrency | mode | output tok/s | TTFT ms | TPOT ms | plugin / own |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
-    own = {(r["model"], r["threads"], r["concurrency"]): r for r in rows if r["mode"] == "0"}
-    for r in rows:
-        base = own.get((r["model"], r["threads"], r["concurrency"]))
-        ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base and r["mode"] != "0" else ""
-        lines.append(f"| {r['model']} | {r['threads']} | {r['concurrency']} | {MODES[r['mode']]} | "
-                     f"{r['output_tok_s']:.1f} | {r['ttft_s'] * 1e3:.0f} | {r['tpot_s'] * 1e3:.1f} | {ratio} |"
-                     + (f" {r['failed']} failed" if r["failed"] else ""))
+    lines = _table(["output tok/s", "TTFT ms", "TPOT ms", "failed"], rows, lambda r: r["output_tok_s"],
+                   lambda r: [f"{r['output_tok_s']:.1f}", f"{r['ttft_s'] * 1e3:.0f}", f"{r['tpot_s'] * 1e3:.1f}",
+                              str(r["failed"])])
     if profiles:
-        lines += ["", "| model | threads | concurrency | mode | linear/MoE ops ms | engine ms | share | plugin / own |",
-                  "|---|---:|---:|---|---:|---:|---:|---:|"]
-        own = {(p["model"], p["threads"], p["concurrency"]): p for p in profiles if p["mode"] == "0"}
-        for p in profiles:
-            base = own.get((p["model"], p["threads"], p["concurrency"]))
-            ratio = f"{p['linear_ms'] / base['linear_ms']:.2f}x" if base and p["mode"] != "0" else ""
-            lines.append(f"| {p['model']} | {p['threads']} | {p['concurrency']} | {MODES[p['mode']]} | "
-                         f"{p['linear_ms']:.0f} | {p['wall_ms']:.0f} | {p['linear_ms'] / p['wall_ms']:.0%} | {ratio} |")
+        lines += [""] + _table(["linear/MoE ops ms", "engine ms", "share"], profiles, lambda p: p["linear_ms"],
+                               lambda p: [f"{p['linear_ms']:.0f}", f"{p['wall_ms']:.0f}",
+                                          f"{p['linear_ms'] / p['wall_ms']:.0%}"])
     if soaked:
         rss = [s["rss_mib"] for s in soaked["samples"]]
         lines += ["", f"soak: {soaked['model']}, {MODES[soaked['mode']]}, concurrency {soaked['concurrency']}, "

@@ -891,6 +891,23 @@ def test_scales_whose_weights_overflow_refused(tmp_path, scheme, largest):
         load_quantized(tmp_path)
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0])  # NaN / Inf: refused as any float tensor's
+def test_int4_scales_not_finite_and_positive_refused(tmp_path, value):
+    """An int4 group scale of 0 or below is no quantization grid (the int8 path refuses it too): refused naming the
+    tensor, in a linear layer and in an expert projection alike (both read through one loader)."""
+    model = quantize_model(float_model("llama-tied"), skip=["lm_head"], scheme="w4a8", group_size=32)
+    save_compressed(model, tmp_path)
+    key = "model.layers.0.mlp.down_proj.weight_scale"
+
+    def edit(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[1] = value
+
+    edit_tensors(tmp_path, edit)
+    with pytest.raises(ValueError, match=re.escape(f"tensor '{key}' holds a scale that is not finite and > 0")):
+        load_quantized(tmp_path)
+
+
 def test_many_or_long_targets_bounded(checkpoint):
     """20000 entries (each was compiled per layer: 17 s) or a 10000-character one: refused naming the field; 1000
     regex entries load quickly (compiled once)."""

@@ -234,6 +234,38 @@ def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected)
     assert served_layers(checkpoint, tmp_path, "all") == {"equal": expected, "mismatches": []}
 
 
+VLLM_LOADS = """
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM
+LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=4)
+"""
+
+
+@pytest.mark.parametrize("kind, value", [("dynamic", 0.0), ("w4a8", -1.0), ("moe", 0.0)])
+def test_a_checkpoint_scale_not_finite_and_positive_stops_the_load_naming_the_layer(tmp_path, kind, value):
+    """An untrusted checkpoint through vLLM: a weight scale of 0 or below (vLLM's loader takes it) is refused by the
+    plugin at load, a ValueError naming the layer and parameter, before anything is packed or served."""
+    require_vllm()
+    from test_checkpoint import edit_tensors
+    checkpoint = tiny_checkpoint(tmp_path / kind, kind)
+    key = ("model.layers.1.block_sparse_moe.experts.2.w2.weight_scale" if kind == "moe" else
+           "model.layers.1.mlp.down_proj.weight_scale")
+
+    def edit(tensors):
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[3] = value
+
+    edit_tensors(checkpoint, edit)
+    child = run_python(VLLM_LOADS, str(checkpoint), W8A8_CPU_VLLM="all", VLLM_CPU_KVCACHE_SPACE="1",
+                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    where = ("model.layers.1.block_sparse_moe.experts.w2_weight_scale" if kind == "moe" else
+             "model.layers.1.mlp.down_proj.weight_scale")
+    assert child.returncode != 0
+    assert f"ValueError: {where}: holds a weight scale that is not finite and > 0" in child.stderr, \
+        child.stderr[-3000:]
+
+
 def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
     """W8A8_CPU_VLLM=1 on a CPU with AMX tiles: the dynamic W8A8 and the int8 MoE layers stay with vLLM's AMX kernels,
     the int4 MoE (which vLLM cannot run on x86) is ours; without AMX the default serves them all."""

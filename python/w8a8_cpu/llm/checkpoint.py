@@ -935,6 +935,11 @@ class _StoredTensors:
             raise ValueError(f"{self._where(key)} holds NaN or Inf values (as {str(dtype).removeprefix('torch.')})")
         return tensor
 
+    def check_positive(self, key: str, scale: torch.Tensor) -> None:
+        """Weight scales are finite and > 0 (README, Numerics): a zero or negative one is no quantization grid."""
+        if not (torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
+
     def check_weight_range(self, key: str, scale: torch.Tensor, largest_code: int) -> None:
         """The weights a scale describes (codes up to largest_code in magnitude, times the scale) finite in fp32, as
         a float checkpoint's weights must be: a scale of 3e38 is finite, its weights are not, and every logit would
@@ -951,8 +956,7 @@ class _StoredTensors:
         shapes = [[n, 1], [n]] + ([[]] if n == 1 else [])
         index = (rows,) if rows is not None and strategy == "channel" else None
         scale = self._take(key, tuple(_FLOAT_DTYPES), shapes, f"{strategy} weight scales", index).to(torch.float32)
-        if not (torch.isfinite(scale).all() and (scale > 0).all()):
-            raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
+        self.check_positive(key, scale)
         self.check_weight_range(key, scale, 128)
         kept = channels if rows is None else len(range(channels)[rows])
         return scale.reshape(-1).expand(kept).contiguous()
@@ -1021,6 +1025,7 @@ class _Loader:
             if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
                 raise ValueError(f"{self.tensors._where(f'{layer}.weight')} holds values outside int4's [-8, 7]")
         scale = self.tensors.floating(f"{layer}.weight_scale", [n, groups], torch.float32)
+        self.tensors.check_positive(f"{layer}.weight_scale", scale)
         self.tensors.check_weight_range(f"{layer}.weight_scale", scale, 15)  # |code - zero point| <= 15
         minimum = None
         if not args.symmetric:

@@ -35,6 +35,16 @@ def leaves_to_vllm_amx() -> bool:
             and torch.cpu._is_amx_tile_supported())
 
 
+def positive_scales(layer: torch.nn.Module, name: str, scale: torch.Tensor) -> torch.Tensor:
+    """A layer's loaded weight scales in fp32, each finite and > 0 (an untrusted checkpoint's: ValueError naming the
+    layer and the parameter otherwise, before anything is packed)."""
+    scale = scale.detach().to(torch.float32)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        where = getattr(layer, "prefix", None) or getattr(layer, "layer_name", None) or type(layer).__name__
+        raise ValueError(f"{where}.{name}: holds a weight scale that is not finite and > 0")
+    return scale
+
+
 def _fp32_bias(layer: torch.nn.Module) -> None:
     """The layer's bias once in fp32 as `bias_fp32` (the op's epilogue adds fp32; vLLM keeps it in the model dtype)."""
     bias = getattr(layer, "bias", None)
@@ -68,7 +78,7 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
         w_name, scale_name, input_scale_name, zero_point_name, w_sum_name = self.layer_param_names
         weight = getattr(layer, w_name).detach()
         n, k = weight.shape
-        scale = getattr(layer, scale_name).detach().to(torch.float32)
+        scale = positive_scales(layer, scale_name, getattr(layer, scale_name))
         if not self.config.is_channelwise:  # one scale per fused part (q, k, v): repeated over its channels
             widths = torch.tensor(layer.logical_widths)
             scale = scale.reshape(-1).repeat_interleave(widths)
@@ -146,7 +156,7 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
-        blob = pack_weight_int4(q, layer.weight_scale.detach(), None, self.group_size)
+        blob = pack_weight_int4(q, positive_scales(layer, "weight_scale", layer.weight_scale), None, self.group_size)
         replace_parameter(layer, "weight_packed", blob)
         replace_parameter(layer, "weight_scale", torch.ones(q.shape[0], dtype=torch.float32))  # the op's per-channel factor on top
         layer.weight_shape = None  # the blob's header holds the shape

@@ -17,6 +17,7 @@ from ..._functions import pack_experts_int4, pack_moe_weights
 from ..._packed_weight import is_int4_group
 from ...llm.pack_quantized import unpack_int4_rows
 from ._hooks import announce
+from ._linear import positive_scales
 
 _ops = torch.ops.w8a8_cpu
 
@@ -59,8 +60,8 @@ class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
         w13, w2 = pack_moe_weights(layer.w13_weight.detach(), layer.w2_weight.detach())
         replace_parameter(layer, "w13_weight", w13)
         replace_parameter(layer, "w2_weight", w2)
-        replace_parameter(layer, "w13_weight_scale", layer.w13_weight_scale.detach().float().flatten(1).contiguous())
-        replace_parameter(layer, "w2_weight_scale", layer.w2_weight_scale.detach().float().flatten(1).contiguous())
+        for name in ("w13_weight_scale", "w2_weight_scale"):
+            replace_parameter(layer, name, positive_scales(layer, name, getattr(layer, name)).flatten(1).contiguous())
         announce("int8 fused MoE experts")
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
@@ -104,7 +105,8 @@ class W8A8CpuW4A8MoE(W8A8CpuMoE):
         for name, (e, n, k) in layer.w8a8_cpu_shapes.items():
             packed = getattr(layer, f"{name}_weight_packed").detach()
             q = unpack_int4_rows(packed.reshape(e * n, -1), k).reshape(e, n, k)
-            blob = pack_experts_int4(q, getattr(layer, f"{name}_weight_scale").detach(), None, self.group_size)
+            scale = positive_scales(layer, f"{name}_weight_scale", getattr(layer, f"{name}_weight_scale"))
+            blob = pack_experts_int4(q, scale, None, self.group_size)
             replace_parameter(layer, f"{name}_weight_packed", blob)
             replace_parameter(layer, f"{name}_weight_scale", torch.ones(e, n, dtype=torch.float32))
             setattr(layer, f"{name}_weight_shape", None)  # each blob's header holds its shape

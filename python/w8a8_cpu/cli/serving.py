@@ -47,13 +47,13 @@ def server_env(threads: int, plugin: str, cache_root: Optional[Path] = None, kv_
                hide_amx_in: Optional[Path] = None) -> Dict[str, str]:
     """The environment of a vLLM CPU process: the plugin's switch (W8A8_CPU_VLLM: "0", "1" or "all"), its OpenMP
     threads bound to the first cores, a KV cache of kv_cache_gib (vLLM's CPU default takes a share of the machine's
-    memory), offline; vLLM's compile cache under cache_root when given (else the user's, ~/.cache/vllm); with
+    memory), offline; vLLM's compile cache and configuration under cache_root when given (else the user's); with
     hide_amx_in, a folder to write NO_AMX_SITE into, vLLM's kernels as on a CPU without AMX."""
     env = {**os.environ, PLUGIN_SWITCH: plugin, "VLLM_CPU_OMP_THREADS_BIND": thread_binding(threads),
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     if cache_root is not None:
-        env["VLLM_CACHE_ROOT"] = str(cache_root)
+        env["VLLM_CACHE_ROOT"], env["VLLM_CONFIG_ROOT"] = str(cache_root), str(cache_root / "config")
     if hide_amx_in is not None:
         hide_amx_in.mkdir(parents=True, exist_ok=True)
         (hide_amx_in / "sitecustomize.py").write_text(NO_AMX_SITE)

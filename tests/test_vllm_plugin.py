@@ -193,7 +193,8 @@ def compare(model):
             layer_index = name.split(".layers.")[1].split(".")[0]
             [experts] = [m for n, m in ours.items() if isinstance(m, W8A8Experts) and f".layers.{layer_index}." in n]
             x = torch.randn(5, experts.hidden_dim, generator=gen).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:2] for _ in range(5)]).to(torch.int32)
+            ids = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:2] for _ in range(5)])
+            ids = ids.to(torch.int32)
             weights = torch.rand(5, 2, generator=gen).softmax(-1)
             got = method.apply(layer, x, weights, ids, None, None)
             want = experts(x, ids, weights)

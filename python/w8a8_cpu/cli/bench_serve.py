@@ -1,5 +1,5 @@
-"""python -m w8a8_cpu bench serve MODEL_DIR ...: vLLM serving compressed-tensors checkpoints with the w8a8_cpu plugin and
-with vLLM's own kernels, from a real OpenAI-API client on loopback: output tokens a second, TTFT and TPOT at each
+"""python -m w8a8_cpu bench serve MODEL_DIR ...: vLLM serving compressed-tensors checkpoints with the w8a8_cpu plugin
+and with vLLM's own kernels, from a real OpenAI-API client on loopback: output tokens a second, TTFT and TPOT at each
 concurrency and thread count, the plugin's ratio to vLLM's own in the same run; optionally (--profile) the share of an
 engine step spent in the quantized linear / MoE ops (torch profiler, vLLM in one process), and (--soak) a long run at
 the highest concurrency watching for failed requests and the server's resident memory.

@@ -8,7 +8,7 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA8Int
 
-from ._linear import W8A8CpuW4A8, leaves_to_vllm_amx
+from ._linear import W8A8CpuW4A8, int4_group, leaves_to_vllm_amx
 from ._moe import W8A8CpuMoE, method_for
 
 logger = logging.getLogger("vllm.plugins.w8a8_cpu")
@@ -25,7 +25,7 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
                 logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
                             "dynamic per-token activations)", layer_name, type(scheme).__name__)
             elif not leaves_to_vllm_amx():
-                return W8A8CpuW4A8(weight_quant.group_size if weight_quant.strategy == "group" else 0)
+                return W8A8CpuW4A8(int4_group(weight_quant))
         return scheme
 
     def get_quant_method(self, layer, prefix):

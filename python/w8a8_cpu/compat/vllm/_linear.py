@@ -35,6 +35,11 @@ def leaves_to_vllm_amx() -> bool:
             and torch.cpu._is_amx_tile_supported())
 
 
+def int4_group(weight_quant) -> int:
+    """The int4 group size of compressed-tensors weight arguments (0: per channel)."""
+    return (weight_quant.group_size or 0) if weight_quant.strategy == "group" else 0
+
+
 def positive_scales(layer: torch.nn.Module, name: str, scale: torch.Tensor) -> torch.Tensor:
     """A layer's loaded weight scales in fp32, each finite and > 0 (an untrusted checkpoint's: ValueError naming the
     layer and the parameter otherwise, before anything is packed)."""
@@ -78,6 +83,10 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
         w_name, scale_name, input_scale_name, zero_point_name, w_sum_name = self.layer_param_names
         weight = getattr(layer, w_name).detach()
         n, k = weight.shape
+        symmetric = self.config.input_symmetric
+        if not symmetric and k > MAX_K_ZERO_POINT:
+            raise ValueError(f"{w_name}: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' "
+                             f"int32 accumulators could overflow")
         scale = positive_scales(layer, scale_name, getattr(layer, scale_name))
         if not self.config.is_channelwise:  # one scale per fused part (q, k, v): repeated over its channels
             widths = torch.tensor(layer.logical_widths)
@@ -87,10 +96,6 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
             raise ValueError(f"{scale_name}: {scale.numel()} scales for {n} output channels")
         replace_parameter(layer, w_name, pack_weight(weight.contiguous()))
         replace_parameter(layer, scale_name, scale.contiguous())
-        symmetric = self.config.input_symmetric
-        if not symmetric and k > MAX_K_ZERO_POINT:
-            raise ValueError(f"{w_name}: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' "
-                             f"int32 accumulators could overflow")
         if self.config.is_static_input_scheme:
             input_scale = getattr(layer, input_scale_name).detach().to(torch.float32).reshape(1)
             zero_point = getattr(layer, zero_point_name, None)
@@ -123,9 +128,8 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
 
     @staticmethod
     def implements(weight_quant, input_quant) -> bool:
-        """Whether this scheme serves a layer whose compressed-tensors arguments vLLM gave to CompressedTensorsWNA8Int."""
-        group = weight_quant.group_size if weight_quant.strategy == "group" else 0
-        return (weight_quant.num_bits == 4 and weight_quant.symmetric and is_int4_group(group or 0)
+        """Whether this scheme serves a layer whose compressed-tensors arguments vLLM gives CompressedTensorsWNA8Int."""
+        return (weight_quant.num_bits == 4 and weight_quant.symmetric and is_int4_group(int4_group(weight_quant))
                 and weight_quant.strategy in ("group", "channel") and input_quant is not None
                 and input_quant.num_bits == 8 and input_quant.symmetric and input_quant.dynamic
                 and input_quant.strategy == "token")
@@ -158,7 +162,8 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
         q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
         blob = pack_weight_int4(q, positive_scales(layer, "weight_scale", layer.weight_scale), None, self.group_size)
         replace_parameter(layer, "weight_packed", blob)
-        replace_parameter(layer, "weight_scale", torch.ones(q.shape[0], dtype=torch.float32))  # the op's per-channel factor on top
+        # the op's per-channel factor on top of the blob's group scales
+        replace_parameter(layer, "weight_scale", torch.ones(q.shape[0], dtype=torch.float32))
         layer.weight_shape = None  # the blob's header holds the shape
         _fp32_bias(layer)
         announce(f"W4A8 linear layers (int4 {f'groups of {self.group_size}' if self.group_size else 'per channel'})")

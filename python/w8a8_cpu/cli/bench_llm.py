@@ -15,7 +15,7 @@ of the prefill text and decode = (new tokens - 1) / the median over rounds of (t
 one-token generation from the same prompt in that round): the tokens after the first, without the prompt's prefill;
 prefill = time to the next-token logits of the first --prefill-tokens tokens of the GPL-3 text, computed for the
 last position only; greedy = generated tokens equal to fp32's before the first difference (a sanity check: a whole
-int8 model parts from fp32 after a few tokens, see README). Engines are timed in interleaved rounds
+int8 model parts from fp32 after a few tokens, see docs/numerics.md). Engines are timed in interleaved rounds
 (timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
 """
 from __future__ import annotations

@@ -280,6 +280,9 @@ def load(directory: PathLike, plan=None, dtype: Optional[torch.dtype] = None):
     if not directory.is_dir():
         raise ValueError(f"directory: {directory} is not a directory")
     config_file = directory / CONFIG_FILE
+    if not os.path.lexists(config_file):  # save_compressed puts it in place last
+        raise ValueError(f"{directory}: no {CONFIG_FILE}; not a checkpoint directory, or a save into it was "
+                         f"interrupted (save it again)")
     config_dict = read_json(config_file)
     scheme = read_scheme(config_dict, str(config_file))
     config, dtype = parse_model_config(config_dict, str(config_file), dtype)

@@ -237,8 +237,11 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
     files into the source model's blobs) and never opens a FIFO; a directory at one of those names raises
     ValueError naming it. Before the files are put in place, an earlier checkpoint's weight files (and its tokenizer
     files, when a tokenizer is written) are removed from `directory`, so that none of it ships with this one; other
-    files there are left as they are. A save killed midway leaves a .w8a8_cpu-staging-* folder there (delete it); the
-    earlier checkpoint stays whole until the new one is staged, so the disk needs room for both."""
+    files there are left as they are. config.json is what marks the directory complete: an earlier one is removed
+    first and ours is put in place last, so a save killed midway leaves the earlier checkpoint whole (killed while
+    staging), the new one whole, or a directory without config.json, which no reader (load_quantized, vLLM,
+    transformers) takes for a checkpoint; it leaves a .w8a8_cpu-staging-* folder there (delete it). The earlier
+    checkpoint stays whole until the new one is staged, so the disk needs room for both."""
     if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0):
         raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes!r}")
     config = getattr(model, "config", None)
@@ -302,7 +305,7 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             with writing(directory / INDEX_FILE):
                 (stage / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        files = sorted(stage.iterdir())
+        files = sorted(stage.iterdir(), key=lambda file: file.name == CONFIG_FILE)  # config.json last
         _remove_earlier_checkpoint(directory, [f.name for f in files], tokenizer is not None)
         for file in files:
             publish(file, directory / file.name)
@@ -310,13 +313,16 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
 
 def _remove_earlier_checkpoint(directory: Path, staged: List[str], tokenizer_written: bool) -> None:
     """Before the `staged` files are put in place: remove what an earlier checkpoint in `directory` left that would be
-    read with ours, its weight files (single file, shards, index) always, and its tokenizer files (TOKENIZER_FILES,
+    read with ours, its config.json first (from then on no reader takes the directory for a checkpoint until ours is
+    in place), its weight files (single file, shards, index) always, and its tokenizer files (TOKENIZER_FILES,
     TOKENIZER_FOLDER) when this save writes a tokenizer (a stale chat_template.jinja would ship with it). A tokenizer
     the caller saved there stays when this save writes none; other files are the caller's. A directory at the name of
     a file to remove or to write raises ValueError naming it, before anything is removed."""
     names = {SINGLE_FILE, INDEX_FILE, *(TOKENIZER_FILES if tokenizer_written else ())}
     stale = [entry for entry in directory.iterdir() if entry.name in names or SHARD_PATTERN.fullmatch(entry.name)
              or (tokenizer_written and entry.name == TOKENIZER_FOLDER)]
+    if os.path.lexists(directory / CONFIG_FILE):
+        stale.insert(0, directory / CONFIG_FILE)
     for entry in [*stale, *(directory / name for name in staged)]:
         if entry.name != TOKENIZER_FOLDER and entry.is_dir() and not entry.is_symlink():
             raise ValueError(f"{entry}: is a directory where the checkpoint writes a file; delete it or write the "

@@ -3,6 +3,7 @@ snapshot's blobs, FIFOs, folders, an earlier checkpoint), the quantize command o
 that the writer and reader must agree on (static activations of fused models, a lm_head tied by hand, shards holding
 tensors their index does not list). Every case is bounded by an alarm, so a write that blocks fails instead of
 hanging the suite."""
+import copy
 import json
 import os
 import struct
@@ -199,6 +200,66 @@ def test_saving_into_the_tokenizer_source_keeps_its_files(quantized, tmp_path):
     save_compressed(quantized, tmp_path, tokenizer=str(tmp_path))
     assert (tmp_path / "tokenizer_config.json").read_bytes() == tokenizer_config
 
+
+
+class _Killed(BaseException):
+    """A kill, simulated: nothing of the writer's own error handling catches it."""
+
+
+def test_killed_resave_leaves_the_old_checkpoint_or_the_new_one_never_a_mix(quantized, tmp_path, monkeypatch):
+    """Issue 50 point 7: a resave killed at each of its steps in `directory` (each removal of an earlier file, each
+    rename putting a file in place) leaves the old checkpoint whole, the new one whole, or no config.json, which every
+    reader (load_quantized, vLLM, transformers) requires first: never a checkpoint that loads without its tokenizer
+    (the first version published config.json and the weights before the tokenizer files)."""
+    sources = {}
+    for name, files in (("old", {"tokenizer_config.json": '{"model": "old"}', "chat_template.jinja": "old"}),
+                        ("new", {"tokenizer_config.json": '{"model": "new"}', "special_tokens_map.json": "{}"})):
+        sources[name] = tmp_path / name
+        sources[name].mkdir()
+        for file_name, text in files.items():
+            (sources[name] / file_name).write_text(text)
+    models = {"old": quantized, "new": copy.deepcopy(quantized)}
+    with torch.no_grad():
+        models["new"].model.norm.weight.mul_(2)
+    expected = {}
+    for name, shards in (("old", 20_000), ("new", None)):  # each save's files, on their own
+        save_compressed(models[name], tmp_path / f"{name}-alone", tokenizer=str(sources[name]), max_shard_bytes=shards)
+        expected[name] = (contents(tmp_path / f"{name}-alone"), logits(models[name]))
+
+    steps, real_replace, real_unlink = [], os.replace, Path.unlink
+
+    def step(kill_at, real):
+        def counted(*args, **kwargs):
+            if len(steps) == kill_at:
+                raise _Killed()
+            steps.append(args[0])
+            return real(*args, **kwargs)
+        return counted
+
+    count = None
+    kill_at = 0
+    while count is None or kill_at <= count:
+        out = tmp_path / f"out{kill_at}"
+        save_compressed(models["old"], out, tokenizer=str(sources["old"]), max_shard_bytes=20_000)
+        steps.clear()
+        monkeypatch.setattr(os, "replace", step(kill_at, real_replace))
+        monkeypatch.setattr(Path, "unlink", step(kill_at, real_unlink))
+        try:
+            save_compressed(models["new"], out, tokenizer=str(sources["new"]))
+            count = len(steps)  # a save not killed: how many steps there are
+        except _Killed:
+            pass
+        monkeypatch.undo()
+        if (out / "config.json").exists():
+            state = "new" if contents(out) == expected["new"][0] else "old"
+            assert contents(out) == expected[state][0], f"killed at step {kill_at}: a mix"
+            assert torch.equal(logits(load_quantized(out)), expected[state][1])
+        else:
+            with pytest.raises(ValueError, match="no config.json; not a checkpoint directory, or a save into it was "
+                                                 "interrupted"):
+                load_quantized(out)
+        kill_at += 1
+    assert count and kill_at == count + 1
 
 # ---- the quantize command ---------------------------------------------------------------------------------------
 

@@ -117,18 +117,18 @@ def case_smollm2(rank: int, world_size: int, out: Path) -> dict:
 
 
 class _ReadSpy:
-    """Stands in for safetensors.safe_open in w8a8_cpu.llm.checkpoint and counts, by tensor name, the elements
+    """Stands in for safetensors.safe_open in w8a8_cpu.llm.checkpoint.reader and counts, by tensor name, the elements
     that each read returns (get_tensor: the whole tensor, get_slice(name)[index]: that part; headers are free)."""
 
-    def __init__(self, checkpoint):
-        self.checkpoint, self.real_open, self.elements = checkpoint, checkpoint.safe_open, {}
+    def __init__(self, reader):
+        self.reader, self.real_open, self.elements = reader, reader.safe_open, {}
 
     def __enter__(self):
-        self.checkpoint.safe_open = lambda *args: _SpiedFile(self.real_open(*args), self.elements)
+        self.reader.safe_open = lambda *args: _SpiedFile(self.real_open(*args), self.elements)
         return self
 
     def __exit__(self, *exc):
-        self.checkpoint.safe_open = self.real_open
+        self.reader.safe_open = self.real_open
 
 
 class _SpiedFile:
@@ -168,6 +168,7 @@ def case_checkpoint(rank: int, world_size: int, out: Path) -> dict:
     (reads counted) and, for comparison, loaded whole and sharded by shard_model."""
     from w8a8_cpu import distributed
     from w8a8_cpu.llm import checkpoint
+    from w8a8_cpu.llm.checkpoint import reader
 
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -180,7 +181,7 @@ def case_checkpoint(rank: int, world_size: int, out: Path) -> dict:
                 want = model(ids).logits
             checkpoint.save_compressed(model, directory, max_shard_bytes=CHECKPOINT_SHARD_BYTES)
         distributed.dist.barrier()
-        with _ReadSpy(checkpoint) as spy:
+        with _ReadSpy(reader) as spy:
             model, report = distributed.load_sharded(directory, attention=attention)
         whole = checkpoint.load_quantized(directory)
         distributed.shard_model(whole, attention=attention, check_weights=False)

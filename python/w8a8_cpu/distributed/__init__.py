@@ -611,7 +611,7 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
     routers, lm_head, attention when replicated) whole. Same module structure and bits as
     shard_model(load_quantized(directory)) on this rank, and the same ValueErrors for bad files. Every rank calls it
     on the same directory; the checkpoint's sharded layers must be stored W8A8."""
-    from ..llm.checkpoint import _load
+    from ..llm.checkpoint import load
 
     def planned(empty: torch.nn.Module, headers: Dict[str, str]) -> ShardPlan:
         plan = plan_shards(empty, group, attention, exact)
@@ -619,7 +619,7 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
                **{f"tensor {name}": header for name, header in headers.items()}}, "load_sharded", group)
         return plan
 
-    model, plan = _load(directory, dtype, planned)
+    model, plan = load(directory, planned, dtype)
     sharded = set(plan.linears) | set(plan.experts)
     replicated = {name: str(crc) for name, crc in weight_checksums(model).items()
                   if not any(name.startswith(layer + ".") for layer in sharded)}

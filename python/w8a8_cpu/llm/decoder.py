@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import torch
 
+from .._untrusted import echo, listing
 from ..nn import W8A8GatedMLP, W8A8Linear, W8A8LinearSlice
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -97,8 +98,7 @@ class Decoder:
         if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
             windowed.add(f"sliding_window={config.sliding_window}")
         if windowed:
-            from .checkpoint import _listing  # config.json's values, quoted back cut short (untrusted)
-            raise ValueError(f"model: sliding-window attention ({_listing(list(windowed))}) is not supported by "
+            raise ValueError(f"model: sliding-window attention ({listing(list(windowed))}) is not supported by "
                              f"Decoder; use model.generate")
         inner = getattr(model, "model", None)
         if not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList) or \
@@ -114,8 +114,7 @@ class Decoder:
         self.rotary = inner.rotary_emb
         rope_type = getattr(self.rotary, "rope_type", None)
         if rope_type not in ROPE_TYPES:
-            from .checkpoint import _echo  # config.json's value, quoted back cut short (untrusted)
-            raise ValueError(f"model: rotary embedding of type {_echo(rope_type)} is not supported by Decoder (it "
+            raise ValueError(f"model: rotary embedding of type {echo(rope_type)} is not supported by Decoder (it "
                              f"supports {', '.join(ROPE_TYPES)}); use model.generate")
         self.dtype = _dtype(model)
         head_dim = self.layers[0].head_dim

@@ -1,5 +1,5 @@
 """compressed-tensors' pack-quantized form of int4 weights: eight 4-bit values to an int32 word (read and written by
-checkpoint.py, read by the vLLM plugin)."""
+the checkpoint package, read by the vLLM plugin)."""
 from __future__ import annotations
 
 import torch

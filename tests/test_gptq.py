@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import w8a8_cpu
-from w8a8_cpu import _functions, reference
-from w8a8_cpu._functions import _fp16_step, _Int4Grid
-from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
+from w8a8_cpu import reference
+from w8a8_cpu.nn import W4A8Linear, quantize_model
+from w8a8_cpu.quant import gptq_layers, refit
+from w8a8_cpu.quant.grid import Int4Grid, fp16_step
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
 
@@ -85,8 +86,8 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
         padded = torch.nn.functional.pad(w, (0, k_padded - 100)).view(24, -1, group)
         importance = torch.cat([diagonal, torch.ones(k_padded - 100)])
         importance = (importance + 0.1 * importance.mean()).view(-1, group)
-        grids = [_Int4Grid(*(field[:, None] for field in _Int4Grid.searched(padded[:, g], symmetric, min_max,
-                                                                              importance[g])))
+        grids = [Int4Grid(*(field[:, None] for field in Int4Grid.searched(padded[:, g], symmetric, min_max,
+                                                                             importance[g])))
                  for g in range(padded.shape[1])]
         want_q = torch.cat([grid.quantize(padded[:, g]) for g, grid in enumerate(grids)], 1)[:, :100]
         q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max,
@@ -98,7 +99,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
             return (s * codes + grid.origin - padded[:, g]).double().square().mul(
                 importance[g] if weights is None else weights[g]).sum(1)
 
-        grid_scale = _fp16_step(torch.cat([grid.scale for grid in grids], 1))  # stored as fp16 values
+        grid_scale = fp16_step(torch.cat([grid.scale for grid in grids], 1))  # stored as fp16 values
         counted = importance * (torch.arange(k_padded) < 100).view(-1, group)  # the padding is never computed with
         fitted = torch.cat([(codes * (padded[:, g] - grid.origin) * counted[g]).sum(1, keepdim=True)
                             / (codes.square() * counted[g]).sum(1, keepdim=True)
@@ -119,7 +120,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
                                        [grid.shift for grid in grids], 1) * scale)
         rtn = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max)
         for g, grid in enumerate(grids):  # never worse than round-to-nearest's grid, by the weighted error
-            rtn_grid = _Int4Grid.of(padded[:, g], symmetric, min_max)
+            rtn_grid = Int4Grid.of(padded[:, g], symmetric, min_max)
             assert (error(g, grid.scale, grid) <= error(g, rtn_grid.scale, rtn_grid)).all(), (form, group_size)
         assert not torch.equal(rtn[1], scale), (form, group_size)  # the outlier groups were clipped
 
@@ -189,7 +190,7 @@ def test_scale_refit_gives_the_same_scales_in_row_chunks(gen, monkeypatch):
     x = correlated_inputs(gen, 300, 96)
     w = torch.randn(40, 96, generator=gen)
     whole = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
-    monkeypatch.setattr(_functions, "REFIT_BYTES", 1)  # one row at a time
+    monkeypatch.setattr(refit, "REFIT_BYTES", 1)  # one row at a time
     chunked = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
@@ -249,7 +250,7 @@ def test_layers_reading_one_input_share_its_second_moment(gen):
     its own with that H (GPTQ treats rows independently)."""
     x = correlated_inputs(gen, 200, 64)
     probe = TwoHeads()
-    moments = _calibration.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
+    moments = gptq_layers.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
     assert [readers for _, readers in moments] == [[probe.a, probe.b], [probe.c]]
     torch.testing.assert_close(moments[0][0], x.T @ x, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(moments[1][0], 4 * x.T @ x, rtol=1e-5, atol=1e-3)

@@ -221,6 +221,53 @@ def test_bad_calibration_is_refused_naming_it(gen):
         w8a8_cpu.quantize_weight_int4(w, 32, hessian=torch.eye(64), damping=0)
 
 
+def test_gptq_gives_the_same_codes_and_scales_for_any_positive_multiple_of_the_hessian(gen):
+    """The promise of quantize_weight_int4's docstring, far beyond float32's range (the column loop runs in fp32):
+    H * 1e100 and * 1e-100 gave NaN scales, * 1e40, 1e60 and 1e-60 other codes than H. A dead input and K padded
+    to whole groups included (their unit diagonal is relative to H's scale)."""
+    x = correlated_inputs(gen, 300, 100)
+    x[:, 7] = 0
+    hessian = (x.T @ x).double()
+    w = torch.randn(24, 100, generator=gen)
+    for form, (symmetric, min_max) in FORMS.items():
+        want = w8a8_cpu.quantize_weight_int4(w, 32, symmetric, min_max, hessian=hessian)
+        assert torch.isfinite(want[1]).all() and (want[1] > 0).all()
+        for power in (-100, -60, -40, 0, 40, 60, 100):
+            got = w8a8_cpu.quantize_weight_int4(w, 32, symmetric, min_max, hessian=hessian * 10.0 ** power)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (form, power)
+            assert symmetric or torch.equal(got[2], want[2]), (form, power)
+
+
+def test_a_hessian_or_damping_gptq_cannot_represent_is_refused_naming_it(gen):
+    """A ValueError naming the argument instead of NaN scales (only pack_weight_int4 failed, later)."""
+    w = torch.randn(8, 64, generator=gen)
+    eye = torch.eye(64, dtype=torch.float64)
+    negative = eye.clone()
+    negative[5, 5] = -1e-3
+    cross_terms_only = torch.ones(64, 64, dtype=torch.float64) - eye
+    for hessian, message in [(negative, "hessian: not positive semi-definite"),
+                             (cross_terms_only, "hessian: not positive semi-definite"),
+                             (eye * 1e-300 + cross_terms_only * 1e-5, "hessian: not positive semi-definite")]:
+        with pytest.raises(ValueError, match=message):
+            w8a8_cpu.quantize_weight_int4(w, 32, hessian=hessian)
+    for damping in (1e300, 1e7, float("inf"), float("nan"), -0.1, 0.0, "0.1", None):
+        with pytest.raises(ValueError, match="^damping: expected a positive number up to 1e"):
+            w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye, damping=damping)
+    tiny = eye.clone()
+    tiny[1, 1] = 1e-100  # an input of almost no curvature: with a damping of 1e-300, H's inverse overflows float32
+    steep = eye.clone()
+    steep[1, 1], steep[0, 1], steep[1, 0] = 1e-74, 0.99e-37, 0.99e-37  # its inverse fits, column 0's error * ~1e37 not
+    for hessian, symmetric, why in [(tiny, True, "the inverse's factor overflows"),
+                                    (steep, True, "GPTQ's updates overflow"),
+                                    (steep, False, "GPTQ's updates overflow")]:
+        with pytest.raises(ValueError, match=rf"^hessian: .*too near singular for damping 1e-300 \(raise "
+                                             rf"damping\): {why} float32"):
+            w8a8_cpu.quantize_weight_int4(w * 1e3, 32, symmetric, hessian=hessian, damping=1e-300)
+    # the largest damping: H is still a multiple of the identity, whose result any damping gives
+    largest = w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye, damping=1e6)
+    assert all(torch.equal(a, b) for a, b in zip(largest[:2], w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye)))
+
+
 def test_calibration_callable_and_progress(gen):
     model = stack()
     x = correlated_inputs(gen, 64, 192)

@@ -48,14 +48,14 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
 
     hessian None: round-to-nearest. hessian [K, K] (the layer inputs' sum of x x^T over calibration rows x; any
     positive multiple gives the same result): GPTQ, which minimizes the layer's output error on those inputs instead
-    of the weight's: each column rounded on its group's grid, its error fed into the columns after it; damping times
-    the mean diagonal is added to H first. The grid is fixed when the group starts, from the weights as GPTQ has
-    updated them: the rule above over the group's range times the factor (1.0, 0.95, ..., 0.6) with the least error
-    weighted by H's diagonal (clipping a group's extreme weights where that makes the others' steps finer). Once
-    every column is rounded, each row's scales are refitted to its codes by least squares on the output error
-    (refit_scales). The default damping 0.1 is 10x GPTQ's usual 1%: with the few thousand calibration tokens a small
-    model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32 symmetric after SmoothQuant,
-    1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
+    of the weight's: each column rounded on its group's grid, its error fed into the columns after it; H is divided
+    by its mean diagonal, then damping (in (0, 1e6]) times the mean diagonal is added. The grid is fixed when the
+    group starts, from the weights as GPTQ has updated them: the rule above over the group's range times the factor
+    (1.0, 0.95, ..., 0.6) with the least error weighted by H's diagonal (clipping a group's extreme weights where that
+    makes the others' steps finer). Once every column is rounded, each row's scales are refitted to its codes by least
+    squares on the output error (refit_scales). The default damping 0.1 is 10x GPTQ's usual 1%: with the few thousand
+    calibration tokens a small model gets, 1% fits the calibration text and loses on other text (SmolLM2-135M, g32
+    symmetric after SmoothQuant, 1024 tokens: +30% perplexity with 1%, +21% with 10%, +32% round-to-nearest)."""
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() != 2 or w.numel() == 0:
         raise ValueError(f"w: expected a non-empty 2-D floating-point [N, K] weight, got "
                          f"{getattr(w, 'dtype', type(w))} {tuple(getattr(w, 'shape', ()))}")
@@ -68,20 +68,16 @@ def quantize_weight_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool 
     group = group_size or k
     k_padded = (k + group - 1) // group * group
     padded = torch.nn.functional.pad(w32, (0, k_padded - k))
+    grouped = padded.view(n, k_padded // group, group)
+    grid = Int4Grid.of(grouped, symmetric, min_max)  # (refuses a group whose range overflows float32, also for GPTQ)
     if hessian is None:
-        grid = Int4Grid.of(padded.view(n, k_padded // group, group), symmetric, min_max)
-        q = grid.quantize(padded.view(n, k_padded // group, group))
+        q = grid.quantize(grouped)
         grid = Int4Grid(*(field.squeeze(-1) for field in grid))
     else:
         if not isinstance(hessian, torch.Tensor) or not hessian.is_floating_point() or hessian.shape != (k, k):
             raise ValueError(f"hessian: expected a floating-point [{k}, {k}] tensor (K of w), got "
                              f"{getattr(hessian, 'dtype', type(hessian))} {tuple(getattr(hessian, 'shape', ()))}")
-        h64 = hessian.detach().to(torch.float64)
-        if not torch.isfinite(h64).all():
-            raise ValueError("hessian: contains NaN or Inf")
-        if not (isinstance(damping, (int, float)) and 0 < damping < float("inf")):
-            raise ValueError(f"damping: expected a positive number, got {damping!r}")
-        q, grid = gptq_int4(padded, h64, group, symmetric, min_max, float(damping))
+        q, grid = gptq_int4(padded, hessian.detach().to(torch.float64), group, symmetric, min_max, damping)
     # the codes are chosen on the fp32 steps; the steps stored as fp16 values after (rounding them before moved
     # GPTQ's codes: MiniLM's zero-point row 0.9802 -> 0.9798), the minimums following them (a zero point stays one)
     grid = grid._replace(scale=fp16_step(grid.scale))

@@ -431,5 +431,5 @@ def test_calibrate_static_activations(symmetric):
     with torch.no_grad():
         static = model(token_ids()).logits
     assert (static - dynamic).abs().max() <= 0.05 * dynamic.abs().max()
-    with pytest.raises(ValueError, match="calibration: expected non-empty integer token ids"):
+    with pytest.raises(ValueError, match="calibration: batch 0: expected non-empty integer token ids"):
         calibrate_static_activations(quantize_model(tiny_llama(), skip=["lm_head"]), torch.zeros(2, 3))

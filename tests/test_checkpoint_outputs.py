@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from w8a8_cpu.llm.checkpoint import INDEX_FILE, SINGLE_FILE, load_quantized, save_compressed  # noqa: E402
-from w8a8_cpu.llm.static_activations import calibrate_static_activations  # noqa: E402
+from w8a8_cpu.quant.static_activations import calibrate_static_activations  # noqa: E402
 
 VOCAB = 300
 Q_PROJ = "model.layers.0.self_attn.q_proj"

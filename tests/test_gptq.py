@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import w8a8_cpu
-from w8a8_cpu import _functions, reference
-from w8a8_cpu._functions import _fp16_step, _Int4Grid
-from w8a8_cpu.nn import W4A8Linear, _calibration, quantize_model
+from w8a8_cpu import reference
+from w8a8_cpu.nn import W4A8Linear, quantize_model
+from w8a8_cpu.quant import gptq_layers, refit
+from w8a8_cpu.quant.grid import Int4Grid, fp16_step
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
 
@@ -85,8 +86,8 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
         padded = torch.nn.functional.pad(w, (0, k_padded - 100)).view(24, -1, group)
         importance = torch.cat([diagonal, torch.ones(k_padded - 100)])
         importance = (importance + 0.1 * importance.mean()).view(-1, group)
-        grids = [_Int4Grid(*(field[:, None] for field in _Int4Grid.searched(padded[:, g], symmetric, min_max,
-                                                                              importance[g])))
+        grids = [Int4Grid(*(field[:, None] for field in Int4Grid.searched(padded[:, g], symmetric, min_max,
+                                                                             importance[g])))
                  for g in range(padded.shape[1])]
         want_q = torch.cat([grid.quantize(padded[:, g]) for g, grid in enumerate(grids)], 1)[:, :100]
         q, scale, minimum = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max,
@@ -98,7 +99,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
             return (s * codes + grid.origin - padded[:, g]).double().square().mul(
                 importance[g] if weights is None else weights[g]).sum(1)
 
-        grid_scale = _fp16_step(torch.cat([grid.scale for grid in grids], 1))  # stored as fp16 values
+        grid_scale = fp16_step(torch.cat([grid.scale for grid in grids], 1))  # stored as fp16 values
         counted = importance * (torch.arange(k_padded) < 100).view(-1, group)  # the padding is never computed with
         fitted = torch.cat([(codes * (padded[:, g] - grid.origin) * counted[g]).sum(1, keepdim=True)
                             / (codes.square() * counted[g]).sum(1, keepdim=True)
@@ -119,7 +120,7 @@ def test_gptq_with_uncorrelated_inputs_is_round_to_nearest_on_its_searched_grid(
                                        [grid.shift for grid in grids], 1) * scale)
         rtn = w8a8_cpu.quantize_weight_int4(w, group_size, symmetric, min_max)
         for g, grid in enumerate(grids):  # never worse than round-to-nearest's grid, by the weighted error
-            rtn_grid = _Int4Grid.of(padded[:, g], symmetric, min_max)
+            rtn_grid = Int4Grid.of(padded[:, g], symmetric, min_max)
             assert (error(g, grid.scale, grid) <= error(g, rtn_grid.scale, rtn_grid)).all(), (form, group_size)
         assert not torch.equal(rtn[1], scale), (form, group_size)  # the outlier groups were clipped
 
@@ -189,7 +190,7 @@ def test_scale_refit_gives_the_same_scales_in_row_chunks(gen, monkeypatch):
     x = correlated_inputs(gen, 300, 96)
     w = torch.randn(40, 96, generator=gen)
     whole = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
-    monkeypatch.setattr(_functions, "REFIT_BYTES", 1)  # one row at a time
+    monkeypatch.setattr(refit, "REFIT_BYTES", 1)  # one row at a time
     chunked = w8a8_cpu.quantize_weight_int4(w, 32, False, hessian=x.T @ x)
     for a, b in zip(whole, chunked):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
@@ -218,6 +219,53 @@ def test_bad_calibration_is_refused_naming_it(gen):
             w8a8_cpu.quantize_weight_int4(w, 32, hessian=hessian)
     with pytest.raises(ValueError, match="damping: expected a positive number"):
         w8a8_cpu.quantize_weight_int4(w, 32, hessian=torch.eye(64), damping=0)
+
+
+def test_gptq_gives_the_same_codes_and_scales_for_any_positive_multiple_of_the_hessian(gen):
+    """The promise of quantize_weight_int4's docstring, far beyond float32's range (the column loop runs in fp32):
+    H * 1e100 and * 1e-100 gave NaN scales, * 1e40, 1e60 and 1e-60 other codes than H. A dead input and K padded
+    to whole groups included (their unit diagonal is relative to H's scale)."""
+    x = correlated_inputs(gen, 300, 100)
+    x[:, 7] = 0
+    hessian = (x.T @ x).double()
+    w = torch.randn(24, 100, generator=gen)
+    for form, (symmetric, min_max) in FORMS.items():
+        want = w8a8_cpu.quantize_weight_int4(w, 32, symmetric, min_max, hessian=hessian)
+        assert torch.isfinite(want[1]).all() and (want[1] > 0).all()
+        for power in (-100, -60, -40, 0, 40, 60, 100):
+            got = w8a8_cpu.quantize_weight_int4(w, 32, symmetric, min_max, hessian=hessian * 10.0 ** power)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (form, power)
+            assert symmetric or torch.equal(got[2], want[2]), (form, power)
+
+
+def test_a_hessian_or_damping_gptq_cannot_represent_is_refused_naming_it(gen):
+    """A ValueError naming the argument instead of NaN scales (only pack_weight_int4 failed, later)."""
+    w = torch.randn(8, 64, generator=gen)
+    eye = torch.eye(64, dtype=torch.float64)
+    negative = eye.clone()
+    negative[5, 5] = -1e-3
+    cross_terms_only = torch.ones(64, 64, dtype=torch.float64) - eye
+    for hessian, message in [(negative, "hessian: not positive semi-definite"),
+                             (cross_terms_only, "hessian: not positive semi-definite"),
+                             (eye * 1e-300 + cross_terms_only * 1e-5, "hessian: not positive semi-definite")]:
+        with pytest.raises(ValueError, match=message):
+            w8a8_cpu.quantize_weight_int4(w, 32, hessian=hessian)
+    for damping in (1e300, 1e7, float("inf"), float("nan"), -0.1, 0.0, "0.1", None):
+        with pytest.raises(ValueError, match="^damping: expected a positive number up to 1e"):
+            w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye, damping=damping)
+    tiny = eye.clone()
+    tiny[1, 1] = 1e-100  # an input of almost no curvature: with a damping of 1e-300, H's inverse overflows float32
+    steep = eye.clone()
+    steep[1, 1], steep[0, 1], steep[1, 0] = 1e-74, 0.99e-37, 0.99e-37  # its inverse fits, column 0's error * ~1e37 not
+    for hessian, symmetric, why in [(tiny, True, "the inverse's factor overflows"),
+                                    (steep, True, "GPTQ's updates overflow"),
+                                    (steep, False, "GPTQ's updates overflow")]:
+        with pytest.raises(ValueError, match=rf"^hessian: .*too near singular for damping 1e-300 \(raise "
+                                             rf"damping\): {why} float32"):
+            w8a8_cpu.quantize_weight_int4(w * 1e3, 32, symmetric, hessian=hessian, damping=1e-300)
+    # the largest damping: H is still a multiple of the identity, whose result any damping gives
+    largest = w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye, damping=1e6)
+    assert all(torch.equal(a, b) for a, b in zip(largest[:2], w8a8_cpu.quantize_weight_int4(w, 32, hessian=eye)))
 
 
 def test_calibration_callable_and_progress(gen):
@@ -249,7 +297,7 @@ def test_layers_reading_one_input_share_its_second_moment(gen):
     its own with that H (GPTQ treats rows independently)."""
     x = correlated_inputs(gen, 200, 64)
     probe = TwoHeads()
-    moments = _calibration.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
+    moments = gptq_layers.second_moments(probe, {probe.a: "a", probe.b: "b", probe.c: "c"}, [x[:80], x[80:]])
     assert [readers for _, readers in moments] == [[probe.a, probe.b], [probe.c]]
     torch.testing.assert_close(moments[0][0], x.T @ x, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(moments[1][0], 4 * x.T @ x, rtol=1e-5, atol=1e-3)

@@ -6,9 +6,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import (_CallRecorder, _run_recorded, calibrate_smoothing,  # noqa: E402
-                                      smooth_quant)
 from w8a8_cpu.nn import quantize_model  # noqa: E402
+from w8a8_cpu.quant.calibration import CallRecorder  # noqa: E402
+from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant  # noqa: E402
+from w8a8_cpu.quant.smoothquant_pairs import run_recorded  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -361,13 +362,13 @@ def test_recording_hooks_are_removed_when_attaching_fails_partway():
         raise RuntimeError("attach failed")
 
     def wrap_first_layer(handles):
-        handles.append(_CallRecorder(model[0], lambda *args: calls.append(1)))
+        handles.append(CallRecorder(model[0], lambda *args: calls.append(1)))
 
     with pytest.raises(RuntimeError, match="attach failed"):
-        _run_recorded(model, torch.randn(2, 8), [lambda handles: handles.append(
+        run_recorded(model, torch.randn(2, 8), [lambda handles: handles.append(
             model[1].register_forward_hook(lambda *args: None)), wrap_first_layer, wrap_first_layer,
             attach_two_then_fail])
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert "forward" not in model[0].__dict__
-    _run_recorded(model, torch.randn(2, 8), [wrap_first_layer, wrap_first_layer])
+    run_recorded(model, torch.randn(2, 8), [wrap_first_layer, wrap_first_layer])
     assert calls == [1, 1] and "forward" not in model[0].__dict__

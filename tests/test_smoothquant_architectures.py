@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.llm.smoothquant import smooth_quant  # noqa: E402
+from w8a8_cpu.quant.smoothquant import smooth_quant  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 

@@ -11,8 +11,9 @@ Static / asymmetric activations (checkpoints that carry them): quantize_activati
 """
 from ._functions import (dequantized_weight, fused_experts, info, int4_weight_values, int8_gated_mm_with_quant, int8_mm,
                          int8_scaled_mm, int8_scaled_mm_with_quant, pack_experts_int4, pack_moe_weights, pack_weight,
-                         pack_weight_int4, packed_rows, per_token_quant_int8, quantize_activations, quantize_weight,
-                         quantize_weight_int4, scale_accumulators, unpack_weight, use_variant)
+                         pack_weight_int4, packed_rows, per_token_quant_int8, quantize_activations, scale_accumulators,
+                         unpack_weight, use_variant)
+from .quant.weights import quantize_weight, quantize_weight_int4
 from . import _autograd, _fake, nn
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import torch
 import w8a8_cpu
 from w8a8_cpu.llm import evaluate, smollm2
 from w8a8_cpu.llm.decoder import Decoder
-from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
+from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant
 
 from .baselines import ao_dynamic
 from .timing import Progress, interleaved, medians

@@ -156,8 +156,8 @@ def _run(args, parser) -> int:
 
     from w8a8_cpu._files import write_file
     from w8a8_cpu.llm.checkpoint import save_compressed
-    from w8a8_cpu.llm.smoothquant import calibrate_smoothing, smooth_quant
-    from w8a8_cpu.llm.static_activations import calibrate_static_activations
+    from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant
+    from w8a8_cpu.quant.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import W4A8Experts, quantize_model
 
     progress = Progress(5, enabled=not args.no_progress, name="quantize")  # load, smooth + quantize (or the

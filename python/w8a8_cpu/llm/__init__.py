@@ -1,4 +1,4 @@
-"""LLM-level tools: SmoothQuant, W8A8 checkpoints in and out, and the SmolLM2 main job.
+"""LLM-level tools: SmoothQuant (from w8a8_cpu.quant), W8A8 checkpoints in and out, and the SmolLM2 main job.
 
     smooth_quant(model, calibration_ids, alpha=0.5)   # fold activation outliers into the weights (float model)
     stats = calibrate_smoothing(model, calibration_ids)  # measure once, then smooth copies: smooth_quant(copy,
@@ -13,20 +13,20 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "smooth_quant": "smoothquant",
-    "calibrate_smoothing": "smoothquant",
-    "SmoothingReport": "smoothquant",
-    "calibrate_static_activations": "static_activations",
-    "save_compressed": "checkpoint",
-    "load_quantized": "checkpoint",
+_EXPORTS = {  # name -> the module that defines it, relative to this package
+    "smooth_quant": "..quant.smoothquant",
+    "calibrate_smoothing": "..quant.smoothquant",
+    "SmoothingReport": "..quant.smoothquant",
+    "calibrate_static_activations": "..quant.static_activations",
+    "save_compressed": ".checkpoint",
+    "load_quantized": ".checkpoint",
 }
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'w8a8_cpu.llm' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
 
 
 __all__ = sorted(_EXPORTS)

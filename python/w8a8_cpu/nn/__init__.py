@@ -9,14 +9,16 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .. import _autograd  # the submodule: nn depends on the package's modules, never on its __init__
-from . import _calibration
 from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_blob, _verified_panels,
                           check_static_activation_params, fused_experts, int4_weight_values,
                           int8_scaled_mm_with_activations, int8_scaled_mm_with_quant, pack_experts_int4,
-                          pack_moe_weights, pack_weight, pack_weight_int4, quantize_weight, quantize_weight_int4,
-                          unpack_weight, weight_channel_sums, weight_scheme)
+                          pack_moe_weights, pack_weight, pack_weight_int4, unpack_weight, weight_channel_sums,
+                          weight_scheme)
 from .._loader import ops as _ops
 from .._packed_weight import INT4_GROUPS, header_format, header_sizes, is_int4_group
+from ..quant import gptq_layers
+from ..quant.calibration import Calibration
+from ..quant.weights import quantize_weight, quantize_weight_int4
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
 
@@ -790,7 +792,7 @@ SCHEMES = ("w8a8", "w4a8")
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
                    fuse: bool = False, scheme: str = "w8a8", group_size: int = GROUP_SIZE, symmetric: bool = True,
-                   min_max: bool = False, calibration: Optional[_calibration.Calibration] = None,
+                   min_max: bool = False, calibration: Optional[Calibration] = None,
                    on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
@@ -889,7 +891,7 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     if embedding is not None:
         _check_table_shared(model, embedding, holders, chosen)
     # GPTQ measures on the float model, before any layer is replaced
-    gptq = _calibration.gptq_int4(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
+    gptq = gptq_layers.round_with_gptq(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
         if calibration is not None else {}
     for module, (names, tied_to_embedding) in chosen.items():
         try:  # the layer's name in the error (a NaN weight): "w: ..." alone does not say which of hundreds

@@ -11,10 +11,9 @@ import torch
 
 from .._functions import asymmetric_activation_params
 from ..nn import W8A8Linear, W8A8LinearSlice
-from .smoothquant import _batches  # one rule for calibration batches
+from . import calibration as runner
 
 
-@torch.no_grad()
 def calibrate_static_activations(model: torch.nn.Module, calibration: Union[torch.Tensor, Iterable[torch.Tensor]],
                                  symmetric: bool = True) -> List[str]:
     """Give every W8A8Linear of a quantized model that quantizes its input dynamically per token a static per-tensor
@@ -38,17 +37,8 @@ def calibrate_static_activations(model: torch.nn.Module, calibration: Union[torc
             ranges[name] = (low, high)
         return hook
 
-    handles = [module.register_forward_pre_hook(record(name)) for name, module in layers.items()]
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters(), torch.empty(0)).device
-        for batch in _batches(calibration):
-            model(batch.to(device))
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    runner.run(model, calibration, [runner.pre_hooks({module: record(name) for name, module in layers.items()})],
+               token_ids=True, **runner.last_logits_only(model, layers.values()))
     unreached = [name for name in layers if name not in ranges]
     if unreached:
         raise ValueError(f"calibration: layers {unreached[:4]}{' ...' if len(unreached) > 4 else ''} received no "

@@ -1,10 +1,10 @@
 """Fake (meta) kernels: output shapes/dtypes without computing, for torch.compile and opcheck.
 
-Each fake kernel first validates its inputs the way the C++ op does (csrc/common/torch_binding.cpp; the helpers
-below mirror its helpers and messages), so tracing raises the same ValueError as running would, instead of
-inventing an output for inputs the op rejects. Only what the metadata shows can be checked here: dtypes, shapes,
-strides, devices. Checks that read data (NaN/Inf activations in strict mode, topk_ids in range, a packed blob's header: its
-magic, N and K) are the real op's alone."""
+Each fake kernel first validates its inputs the way the C++ op does (the torch binding's op files and
+binding_checks.cpp in csrc/common; the helpers below mirror its helpers and messages), so tracing raises the same
+ValueError as running would, instead of inventing an output for inputs the op rejects. Only what the metadata shows
+can be checked here: dtypes, shapes, strides, devices. Checks that read data (NaN/Inf activations in strict mode,
+topk_ids in range, a packed blob's header: its magic, N and K) are the real op's alone."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +14,7 @@ from ._packed_weight import HEADER_BYTES, INT4_GROUPS, is_int4_group, packed_wei
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
 _MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHeadDim (microkernel.h)
 _FLOAT32_MAX = 3.4028234663852886e38
-_DECODE_STEP_WEIGHTS = 14  # kWeightsPerLayer (DecodeStepWeight in csrc/common/torch_binding.cpp)
+_DECODE_STEP_WEIGHTS = 14  # kWeightsPerLayer (DecodeStepWeight in csrc/common/decode_step_ops.cpp)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -193,9 +193,10 @@ def test_options_that_would_be_ignored_are_refused(options, argument):
 
 
 def test_the_main_jobs_options_stay_valid_and_min_max_applies():
-    """cli/llm.py's quantize_for_job passes group_size, symmetric and min_max for both schemes (at their defaults
-    for w8a8): still accepted; and min_max with symmetric=False rounds otherwise than symmetric."""
+    """cli/llm.py's quantize_for_job with each of the job's schemes; min_max with symmetric=False rounds otherwise
+    than symmetric."""
     from w8a8_cpu.cli.llm import quantize_for_job
+    from w8a8_cpu.scheme import W4A8, W4A8_MIN_MAX
 
     model = tiny_llama()
     ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -203,8 +204,8 @@ def test_the_main_jobs_options_stay_valid_and_min_max_applies():
         want = model(ids).logits
         w8a8 = quantize_for_job(copy.deepcopy(model), False)(ids).logits
         w8a8_head = quantize_for_job(copy.deepcopy(model), True)(ids).logits
-        min_max = quantize_for_job(copy.deepcopy(model), True, scheme="w4a8", min_max=True)
-        symmetric = quantize_for_job(copy.deepcopy(model), True, scheme="w4a8")
+        min_max = quantize_for_job(copy.deepcopy(model), True, scheme=W4A8_MIN_MAX)
+        symmetric = quantize_for_job(copy.deepcopy(model), True, scheme=W4A8)
     assert isinstance(min_max.model.layers[0].mlp.down_proj, W4A8Linear)
     assert rel(w8a8, want) < 0.02 and rel(w8a8_head, want) < 0.05
     with torch.no_grad():

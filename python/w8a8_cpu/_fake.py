@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._packed_weight import HEADER_BYTES, INT4_GROUPS, is_int4_group, packed_weight_nbytes
+from ._packed_weight import HEADER_BYTES, packed_weight_nbytes
+from .scheme import INT4_GROUPS, is_int4_group
 
 _MAX_K = (1 << 17) - 1  # kMaxK in csrc/common/microkernel.h
 _MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHeadDim (microkernel.h)

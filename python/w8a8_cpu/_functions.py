@@ -11,7 +11,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ._loader import ops
-from ._packed_weight import HEADER_BYTES, header_format, header_half_scales, header_sizes, int4_panels
+from ._packed_weight import HEADER_BYTES, header_half_scales, header_scheme, header_sizes, int4_panels
 
 
 def info() -> dict:
@@ -300,8 +300,8 @@ def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
     q = unpack_weight(blob)  # verifies the blob as the ops do
     raw = blob.detach().contiguous()
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    scheme, group = header_format(raw)
-    if scheme == 0:
+    weights = header_scheme(raw)
+    if weights.bits == 8:
         raise ValueError("blob: holds int8 weights (pack_weight); int4_weight_values reads pack_weight_int4's blobs")
     body, nibble_bytes, scales_end, groups = int4_panels(raw)
     panels = n_padded // nr
@@ -312,16 +312,16 @@ def int4_weight_values(blob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, 
     scales = body[:, nibble_bytes:scales_end].contiguous().view(torch.float16 if header_half_scales(raw) else
                                                                 torch.float32)
     scale = per_channel(scales.view(panels, groups, nr))
-    if scheme != 2:
-        return q, scale, None, group
+    if weights.symmetric:
+        return q, scale, None, weights.group_size
     minimum = per_channel(body[:, scales_end:].contiguous().view(torch.float32).view(panels, groups, nr))
-    return q, scale, minimum, group
+    return q, scale, minimum, weights.group_size
 
 
 def weight_scheme(blob: torch.Tensor) -> str:
     """"int8" or "int4": the weight scheme of a packed blob, verified first as the ops verify it (ValueError)."""
     raw = _verified_blob(blob, packers="pack_weight or pack_weight_int4")
-    return "int8" if header_format(raw)[0] == 0 else "int4"
+    return f"int{header_scheme(raw).bits}"
 
 
 def dequantized_weight(blob: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
@@ -344,7 +344,7 @@ def _verified_panels(blob: torch.Tensor, arg: str = "blob") -> Tuple[torch.Tenso
     panels come widened to int8 (values -8..7)."""
     raw = _verified_blob(blob, arg)
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    if header_format(raw)[0] != 0:  # int4: nibbles u = q + 8, 32 bytes hold 64 elements: low nibbles, then high
+    if header_scheme(raw).bits == 4:  # int4: nibbles u = q + 8, 32 bytes hold 64 elements: low nibbles, then high
         body, nibble_bytes, _, _ = int4_panels(raw)
         chunks = body[:, :nibble_bytes].reshape(-1, 32).to(torch.int16)
         panels = (torch.cat([chunks & 0x0F, chunks >> 4], dim=1) - 8).to(torch.int8).reshape(-1)
@@ -358,7 +358,7 @@ def weight_channel_sums(blob: torch.Tensor) -> torch.Tensor:
     the biased-A tiles; verified against the panels as the ops verify a blob) instead of unpacking it: the weight's
     side of asymmetric activations' correction, zp * sum_k w."""
     raw = _verified_blob(blob)
-    if header_format(raw)[0] != 0:
+    if header_scheme(raw).bits == 4:
         raise ValueError("blob: holds int4 weights, which store no channel sums (asymmetric activations are for int8 "
                          "weights)")
     _, _, n, _, n_padded, k_padded = header_sizes(raw)

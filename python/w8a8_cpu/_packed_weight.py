@@ -11,16 +11,10 @@ from typing import Optional, Tuple
 import torch
 
 from ._loader import ops
+from .scheme import WeightScheme
 
 HEADER_BYTES = 64  # sizeof(PackedWeightHeader), csrc/common/packed_weight.h
 MAGIC = b"W8A8PKW\0"  # its first 8 bytes (kPackedMagic)
-INT4_GROUPS = "0 (per channel) or a power of two in [32, 65536]"  # the header's group_log2: 5..16 (kMaxGroupLog2)
-
-
-def is_int4_group(group_size) -> bool:
-    """Whether group_size is one an int4 blob can hold: INT4_GROUPS."""
-    return type(group_size) is int and (group_size == 0 or (32 <= group_size <= 65536 and
-                                                            group_size & (group_size - 1) == 0))
 
 
 def header_sizes(blob) -> Tuple[int, int, int, int, int, int]:
@@ -31,11 +25,11 @@ def header_sizes(blob) -> Tuple[int, int, int, int, int, int]:
     return nr, kr, n, k, n_padded, k_padded
 
 
-def header_format(blob) -> Tuple[int, int]:
-    """(scheme: 0 int8, 1 int4, 2 int4 with minimums (WeightScheme); group size along K, 0 for one group per channel)
-    of a verified blob's header."""
+def header_scheme(blob) -> WeightScheme:
+    """The weights' form a verified blob's header states (its scheme byte, WeightScheme.from_header, and its group
+    size along K, 0 for one group per channel)."""
     scheme, group_log2 = int(blob[14]), int(blob[15])
-    return scheme, (1 << group_log2) if group_log2 else 0
+    return WeightScheme.from_header(scheme, (1 << group_log2) if group_log2 else 0)
 
 
 def header_half_scales(blob) -> bool:
@@ -64,11 +58,11 @@ def int4_panels(raw) -> Tuple[torch.Tensor, int, int, int]:
     blob: each panel's nibbles, then its scales [groups][nr] (fp32, or fp16: header_half_scales), then its minimums
     [groups][nr] (fp32) to the panel's end: pack_weight_int4's layout (csrc/common/packed_weight.h, WeightScheme)."""
     nr, kr, n, k, n_padded, k_padded = header_sizes(raw)
-    scheme, group = header_format(raw)
-    groups = k_padded // (group or k_padded)
+    weights = header_scheme(raw)
+    groups = k_padded // (weights.group_size or k_padded)
     nibble_bytes = k_padded * nr // 2
     scales_end = nibble_bytes + groups * nr * scale_bytes(header_half_scales(raw))
-    panel_bytes = scales_end + (groups * nr * 4 if scheme == 2 else 0)
+    panel_bytes = scales_end + (0 if weights.symmetric else groups * nr * 4)
     body = raw[HEADER_BYTES:HEADER_BYTES + n_padded // nr * panel_bytes].view(n_padded // nr, panel_bytes)
     return body, nibble_bytes, scales_end, groups
 

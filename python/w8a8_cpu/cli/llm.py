@@ -23,6 +23,7 @@ import w8a8_cpu
 from w8a8_cpu.llm import evaluate, smollm2
 from w8a8_cpu.llm.decoder import Decoder
 from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant
+from w8a8_cpu.scheme import GROUP_SIZE, W4A8_GPTQ, W4A8_MIN_MAX, W8A8, QuantScheme
 
 from .baselines import ao_dynamic
 from .timing import Progress, interleaved, medians
@@ -56,7 +57,6 @@ FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "
 # measures the activations' error; symmetric int4 after (per-channel) SmoothQuant, rounded with GPTQ on the
 # calibration text, is the honest int4 rounding error on this model.
 W4A8_ASYM, W4A8_SYM_SQ = "W4A8 g32 min-max (SQ/32)", "W4A8 g32 sym (SQ, GPTQ)"
-W4A8_GROUP = 32
 # Grouped SmoothQuant's alpha for the min-max row (GPL-3 perplexity vs fp32, round to nearest): 0.6 +3.1%, 0.75 +2.3%,
 # 0.85 +1.8-2.1%, 0.9 +2.7%, 1.0 +2.4%; no SmoothQuant +3.7%. With the weights exact, a larger share of the outliers
 # can go to them than per channel (0.6). GPTQ on top: +1.8-2.5%, no better, so the row rounds to nearest.
@@ -147,14 +147,12 @@ def lean_runs(decoders: Dict[str, Decoder], prompt_ids: torch.Tensor, new_tokens
     return out
 
 
-def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool, scheme: str = "w8a8",
-                     min_max: bool = False, **gptq) -> torch.nn.Module:
-    """W8A8 (or W4A8: int4 in groups of W4A8_GROUP, symmetric or min-max) linears; with int8_output_layer, the
-    lm_head too, in W8A8 sharing one int8 table with the token embedding, and the q/k/v and gate/up projections fused
-    (one GEMM each). gptq: quantize_model's calibration (and on_layer), for GPTQ rounding of the int4 layers."""
+def quantize_for_job(model: torch.nn.Module, int8_output_layer: bool, scheme: QuantScheme = W8A8,
+                     **gptq) -> torch.nn.Module:
+    """The scheme's linears (W8A8, or the job's W4A8_MIN_MAX / W4A8_GPTQ); with int8_output_layer, the lm_head too, in
+    W8A8 sharing one int8 table with the token embedding, and the q/k/v and gate/up projections fused (one GEMM
+    each). gptq: quantize_model's calibration (and on_layer), for GPTQ rounding of the int4 layers."""
     options = dict(scheme=scheme, **gptq)
-    if scheme == "w4a8":
-        options.update(group_size=W4A8_GROUP, symmetric=not min_max, min_max=min_max)
     if int8_output_layer:
         return w8a8_cpu.nn.quantize_model(model, quantize_embedding=True, fuse=True, **options)
     return w8a8_cpu.nn.quantize_model(model, skip=KEEP_FLOAT, **options)
@@ -195,17 +193,17 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
         models[SQ_FP32_HEAD] = quantize_for_job(copy.deepcopy(smoothed), False)
     models[SQ] = quantize_for_job(smoothed, int8_output_layer)
     if int8_output_layer:
-        progress.step(f"W4A8 (int4 in groups of {W4A8_GROUP}): min-max after grouped SmoothQuant, symmetric after "
+        progress.step(f"W4A8 (int4 in groups of {GROUP_SIZE}): min-max after grouped SmoothQuant, symmetric after "
                       f"SmoothQuant with GPTQ ({gptq_ids.numel()} calibration tokens)")
         smoothed_in_groups = copy.deepcopy(fp32)
-        smooth_quant(smoothed_in_groups, alpha=W4A8_ASYM_SQ_ALPHA, group_size=W4A8_GROUP,
+        smooth_quant(smoothed_in_groups, alpha=W4A8_ASYM_SQ_ALPHA, group_size=GROUP_SIZE,
                      statistics=smoothing_statistics, output_alpha=output_alpha)
-        models[W4A8_ASYM] = quantize_for_job(smoothed_in_groups, True, scheme="w4a8", min_max=True)
+        models[W4A8_ASYM] = quantize_for_job(smoothed_in_groups, True, scheme=W4A8_MIN_MAX)
         smoothed_for_sym = copy.deepcopy(fp32)
         smooth_quant(smoothed_for_sym, alpha=W4A8_SYM_SQ_ALPHA, statistics=smoothing_statistics,
                      output_alpha=output_alpha)
         models[W4A8_SYM_SQ] = quantize_for_job(
-            smoothed_for_sym, True, scheme="w4a8", calibration=gptq_ids.unsqueeze(0),
+            smoothed_for_sym, True, scheme=W4A8_GPTQ, calibration=gptq_ids.unsqueeze(0),
             on_layer=lambda i, n: progress.update(f"W4A8 sym (SQ): GPTQ rounding, layer {i}/{n}"))
     if prepare_w8a8:
         prepare_w8a8(SQ, models[SQ])
@@ -355,7 +353,7 @@ def print_report(result: dict) -> None:
               f"first difference; decode: {n} greedy tokens, batch 1, prompt included, {timing}; generate: the same "
               f"{n} tokens through transformers' generate, one run, for fp32 and {SQ})")
         if W4A8_ASYM in models:
-            print(f"  (SQ/{W4A8_GROUP}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {W4A8_GROUP} "
+            print(f"  (SQ/{GROUP_SIZE}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {GROUP_SIZE} "
                   f"input channels, round to nearest; SQ: alpha {result['smoothquant_alpha']} (W4A8 sym: "
                   f"{W4A8_SYM_SQ_ALPHA}), per channel; the int8 output layer's input: alpha "
                   f"{result['output_smoothquant_alpha']}, per channel)")

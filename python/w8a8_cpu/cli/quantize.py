@@ -22,8 +22,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .._packed_weight import INT4_GROUPS, is_int4_group
-from ..nn import GROUP_SIZE
+from ..scheme import DYNAMIC, GROUP_SIZE, W8A8_STATIC, W8A8_STATIC_ASYMMETRIC, QuantScheme, WeightScheme
 from .options import output_folder_parent, positive_int
 from .timing import Progress
 
@@ -35,6 +34,9 @@ SEARCH_ALPHAS = (0.4, 0.5, 0.6, 0.7, 0.8)
 ACTIVATIONS = {"dynamic": "int8 dynamic per-token activations",
                "static": "int8 static per-tensor activations (calibrated)",
                "static-asymmetric": "int8 static per-tensor activations with zero points (calibrated)"}
+ACTIVATION_SCHEMES = {"dynamic": DYNAMIC, "static": W8A8_STATIC.activations,
+                      "static-asymmetric": W8A8_STATIC_ASYMMETRIC.activations}
+ROUNDINGS = {"gptq": "gptq", "rtn": "nearest"}  # --rounding -> WeightScheme.rounding
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -105,17 +107,25 @@ def check_arguments(args, parser) -> None:
     if args.group_size is not None and args.scheme != "w4a8":
         parser.error(f"--group-size {args.group_size}: applies to --scheme w4a8 (int8 weights have one scale per "
                      f"channel)")
-    if args.group_size is None:
-        args.group_size = GROUP_SIZE
-    if not is_int4_group(args.group_size):
-        parser.error(f"--group-size {args.group_size}: expected {INT4_GROUPS}")
-    if args.activations != "dynamic" and args.scheme != "w8a8":
-        parser.error(f"--activations {args.activations}: static activations need --scheme w8a8 (int4 layers quantize "
-                     f"their activations dynamically)")
     if args.rounding is not None and args.scheme != "w4a8":
         parser.error(f"--rounding {args.rounding}: applies to --scheme w4a8 (int8 weights round to nearest)")
+    args.quant_scheme = quant_scheme(args, parser)
     if Path(args.out_dir).resolve() == model_dir.resolve():
         parser.error("OUT_DIR must differ from MODEL_DIR (its weight files would be replaced)")
+
+
+def quant_scheme(args, parser) -> QuantScheme:
+    """The QuantScheme the options ask for, validated: a combination the kernels cannot run is a usage error naming
+    the option (exit 2)."""
+    weights = WeightScheme(4, GROUP_SIZE if args.group_size is None else args.group_size,
+                           rounding=ROUNDINGS[args.rounding or "gptq"]) if args.scheme == "w4a8" else WeightScheme()
+    try:
+        return QuantScheme(weights, ACTIVATION_SCHEMES[args.activations]).validate()
+    except ValueError as e:
+        field, _, reason = str(e).partition(": ")
+        options = {"group_size": ("--group-size", args.group_size), "activations": ("--activations", args.activations)}
+        option, value = options.get(field, ("--scheme", args.scheme))
+        parser.error(f"{option} {value}: {reason}")
 
 
 def _tokens(tokenizer, path: Path, count: int) -> torch.Tensor:
@@ -157,7 +167,6 @@ def _run(args, parser) -> int:
     from w8a8_cpu._files import write_file
     from w8a8_cpu.llm.checkpoint import save_compressed
     from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant
-    from w8a8_cpu.quant.static_activations import calibrate_static_activations
     from w8a8_cpu.nn import W4A8Experts, quantize_model
 
     progress = Progress(5, enabled=not args.no_progress, name="quantize")  # load, smooth + quantize (or the
@@ -176,7 +185,9 @@ def _run(args, parser) -> int:
         raise CommandError(f"{args.model_dir}: {not_finite} holds NaN or Inf values; quantizing needs finite weights")
     ids = _tokens(tokenizer, args.calibration, args.calibration_tokens + args.held_out_tokens)
     calibration, held_out = ids[:args.calibration_tokens].unsqueeze(0), ids[args.calibration_tokens:]
-    rounding = (args.rounding or "gptq") if args.scheme == "w4a8" else None
+    scheme = args.quant_scheme
+    rounding = (args.rounding or "gptq") if scheme.weights.bits == 4 else None
+    calibrated = scheme.weights.rounding == "gptq" or scheme.activations.static  # the steps that need calibration
     t0 = time.perf_counter()
 
     statistics = None  # the float model's SmoothQuant statistics, measured once for every alpha of a search
@@ -193,12 +204,8 @@ def _run(args, parser) -> int:
             except ValueError as e:
                 raise CommandError(f"SmoothQuant cannot run on this model: {e}; quantize without it: "
                                    f"--smoothquant none") from None
-        quantize_model(candidate, skip=args.skip, scheme=args.scheme, group_size=args.group_size, symmetric=True,
-                       calibration=calibration if rounding == "gptq" else None,
-                       on_layer=lambda i, n: progress.update(f"GPTQ rounding, layer {i}/{n}"))
-        if args.activations != "dynamic":
-            calibrate_static_activations(candidate, calibration, symmetric=args.activations == "static")
-        return candidate
+        return quantize_model(candidate, skip=args.skip, scheme=scheme, calibration=calibration if calibrated else None,
+                              on_layer=lambda i, n: progress.update(f"GPTQ rounding, layer {i}/{n}"))
 
     def held_out_scores(candidate: torch.nn.Module) -> Dict[str, dict]:
         return _held_out({"float": model, "quantized": candidate}, held_out)
@@ -228,7 +235,7 @@ def _run(args, parser) -> int:
     model = model_q
     out = Path(args.out_dir)
     save_compressed(model, out, max_shard_bytes=args.max_shard_size, tokenizer=args.model_dir)
-    report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": args.group_size,
+    report = {"model_dir": str(args.model_dir), "scheme": args.scheme, "group_size": scheme.weights.group_size,
               "activations": args.activations, "rounding": rounding,
               "smoothquant_alpha": alpha, "search": search, "calibration": str(args.calibration),
               "calibration_tokens": args.calibration_tokens, "held_out_tokens": held_out.numel(),

@@ -15,14 +15,14 @@ from .._functions import (MAX_K_ZERO_POINT, _gather_rows, _verified_blob, _verif
                           pack_moe_weights, pack_weight, pack_weight_int4, unpack_weight, weight_channel_sums,
                           weight_scheme)
 from .._loader import ops as _ops
-from .._packed_weight import INT4_GROUPS, header_format, header_sizes, is_int4_group
+from .._packed_weight import header_scheme, header_sizes
 from ..quant import gptq_layers
 from ..quant.calibration import Calibration
 from ..quant.weights import quantize_weight, quantize_weight_int4
+from ..scheme import (DYNAMIC, GROUP_SIZE, ActivationScheme, QuantScheme, WeightScheme, check_bool, W4A8 as _W4A8,
+                      W8A8 as _W8A8)
 
 SkipSpec = Union[None, Iterable[str], Callable[[str, torch.nn.Module], bool]]
-
-GROUP_SIZE = 32  # the int4 group size along K that quantize_model and the W4A8 constructors default to
 
 
 class _Fp32Scales(torch.nn.Module):
@@ -137,7 +137,7 @@ class W8A8Linear(_Fp32Scales):
             raw = _verified_blob(blob, "blob", "pack_weight or pack_weight_int4")
         except ValueError as error:  # the ops' message names "blob", not which of the model's
             raise ValueError(f"{name}: {error}") from error
-        mine, theirs = (header_sizes(b)[2:4] + header_format(b)
+        mine, theirs = (header_sizes(b)[2:4] + (header_scheme(b),)
                         for b in (self.weight_packed.detach().contiguous(), raw))
         if theirs != mine:
             raise ValueError(f"{name}: holds {_blob_description(*theirs)}; this {type(self).__name__} holds "
@@ -148,8 +148,13 @@ class W8A8Linear(_Fp32Scales):
         """How forward quantizes its input: "token" (dynamic per token, symmetric: the fused op, the default),
         "token-asymmetric" (dynamic per token with a zero point), "tensor" (static: input_scale) or
         "tensor-asymmetric" (static: input_scale and input_zero_point); see quantize_activations."""
-        return ("token" if self.input_scale is None else "tensor") + \
-            ("" if self.symmetric_activations else "-asymmetric")
+        return self.scheme.activations.label
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """What the layer holds and runs: int8 weights per channel, its input activations as set."""
+        return QuantScheme(WeightScheme(), ActivationScheme(static=self.input_scale is not None,
+                                                            symmetric=self.symmetric_activations))
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "W8A8Linear":
@@ -213,12 +218,16 @@ class W4A8Linear(W8A8Linear):
                         "(int4_weight() gives them back)")
 
     def __init__(self, q: torch.Tensor, group_scale: torch.Tensor, group_min: Optional[torch.Tensor], group_size: int,
-                 bias: Optional[torch.Tensor] = None, w_scale: Optional[torch.Tensor] = None):
+                 bias: Optional[torch.Tensor] = None, w_scale: Optional[torch.Tensor] = None, *,
+                 weights: Optional[WeightScheme] = None):
+        """weights: how the values were made, reported by `scheme` (default: to nearest, with integer zero points
+        when group_min is given); it must agree with group_size and group_min."""
         _Fp32Scales.__init__(self)
         if q.dtype != torch.int8 or q.dim() != 2:
             raise ValueError(f"q: expected int8 [N, K] holding [-8, 7], got {q.dtype} {tuple(q.shape)}")
         self.out_features, self.in_features = q.shape
         self.group_size = group_size
+        self._weights = _int4_form(weights, group_size, group_min)
         self.register_buffer("weight_packed", pack_weight_int4(q.contiguous(), group_scale, group_min, group_size))
         scale = torch.ones(q.shape[0]) if w_scale is None else w_scale
         self.register_buffer("w_scale", _finite_fp32(scale, "w_scale").reshape(-1))
@@ -231,6 +240,10 @@ class W4A8Linear(W8A8Linear):
             raise ValueError("W4A8Linear takes dynamic per-token symmetric activations only (the int4 ops quantize "
                              "them); static or asymmetric activations need int8 weights (W8A8Linear)")
 
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self._weights, DYNAMIC)
+
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int = GROUP_SIZE, symmetric: bool = True,
                     min_max: bool = False) -> "W4A8Linear":
@@ -238,9 +251,9 @@ class W4A8Linear(W8A8Linear):
         rounds with GPTQ)."""
         if not isinstance(linear, torch.nn.Linear):
             raise ValueError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
-        _check_int4_rounding(group_size, symmetric, min_max)
+        weights = QuantScheme(WeightScheme(4, group_size, symmetric, min_max)).validate().weights
         q, scale, minimum = quantize_weight_int4(linear.weight, group_size, symmetric, min_max)
-        return cls(q, scale, minimum, group_size, linear.bias)
+        return cls(q, scale, minimum, group_size, linear.bias, weights=weights)
 
     def int8_weight(self) -> torch.Tensor:
         raise ValueError("W4A8Linear holds int4 weights with group scales, not an int8 weight with channel scales: "
@@ -255,12 +268,26 @@ class W4A8Linear(W8A8Linear):
                 f"int4 groups of {self.group_size or self.in_features}")
 
 
-def _blob_description(n: int, k: int, scheme: int, group: int) -> str:
-    """A packed weight's header values (header_sizes' n, k and header_format's scheme, group) in words."""
-    if scheme == 0:
+def _int4_form(weights: Optional[WeightScheme], group_size: int, group_min: Optional[torch.Tensor]) -> WeightScheme:
+    """An int4 layer's weight scheme: `weights` as given (validated, agreeing with the values' group size and
+    symmetry), or by default the one the values state (to nearest, integer zero points)."""
+    held = WeightScheme(4, group_size, symmetric=group_min is None)
+    if weights is None:
+        return held
+    QuantScheme(weights).validate()
+    if (weights.bits, weights.group_size, weights.symmetric) != (4, group_size, group_min is None):
+        raise ValueError(f"weights: {weights} does not describe int4 values in groups of {group_size}, "
+                         f"{'symmetric' if group_min is None else 'with minimums'}")
+    return weights
+
+
+def _blob_description(n: int, k: int, weights: WeightScheme) -> str:
+    """A packed weight's header values (header_sizes' n, k and header_scheme) in words."""
+    if weights.bits == 8:
         return f"an int8 [{n}, {k}] weight"
+    group = weights.group_size
     return (f"an int4 [{n}, {k}] weight {f'in groups of {group}' if group else 'per channel'}, "
-            f"{'with group minimums' if scheme == 2 else 'symmetric'}")
+            f"{'symmetric' if weights.symmetric else 'with group minimums'}")
 
 
 def _rows_of(weight_packed: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], begin: int,
@@ -285,17 +312,18 @@ def _concatenated(parts: List[W8A8Linear]) -> W8A8Linear:
     values = [p.int4_weight() for p in parts]
     mins = None if values[0][2] is None else torch.cat([v[2] for v in values])
     return W4A8Linear(torch.cat([v[0] for v in values]), torch.cat([v[1] for v in values]), mins, values[0][3], bias,
-                      w_scale)
+                      w_scale, weights=parts[0].scheme.weights)
 
 
 def _same_scheme(parts) -> bool:
-    """Whether the layers can be concatenated: one class, one input size, biases alike, dynamic per-token activations,
-    and for int4 one group size and symmetry."""
+    """Whether the layers can be concatenated: one class, one input size, biases alike, and one scheme, with dynamic
+    per-token symmetric activations (the fused ops quantize them so)."""
     kinds = {type(p) for p in parts}
     if len(kinds) != 1 or not kinds <= {W8A8Linear, W4A8Linear} or len({p.in_features for p in parts}) != 1 or \
-            len({p.bias is None for p in parts}) != 1 or any(p.activation_scheme != "token" for p in parts):
-        return False  # (the fused ops quantize activations dynamically per token)
-    return kinds != {W4A8Linear} or len({(p.group_size, p.int4_weight()[2] is None) for p in parts}) == 1
+            len({p.bias is None for p in parts}) != 1:
+        return False
+    schemes = {p.scheme for p in parts}
+    return len(schemes) == 1 and schemes.pop().activations == DYNAMIC
 
 
 def _below_autograd(x: torch.Tensor, *tracked) -> bool:
@@ -688,6 +716,11 @@ class W8A8Experts(_Fp32Scales):
         return (torch.stack([unpack_weight(b) for b in self.w13_packed[experts]]),
                 torch.stack([unpack_weight(b) for b in self.w2_packed[experts]]))
 
+    @property
+    def scheme(self) -> QuantScheme:
+        """What the experts hold and run: int8 weights per channel, dynamic per-token symmetric activations."""
+        return _W8A8
+
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}"
 
@@ -700,12 +733,14 @@ class W4A8Experts(W8A8Experts):
 
     def __init__(self, w13_q: torch.Tensor, w13_group_scale: torch.Tensor, w13_group_min: Optional[torch.Tensor],
                  w2_q: torch.Tensor, w2_group_scale: torch.Tensor, w2_group_min: Optional[torch.Tensor],
-                 group_size: int, w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None):
+                 group_size: int, w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+                 *, weights: Optional[WeightScheme] = None):
         """w13_q [E, 2I, H] and w2_q [E, H, I] int8 holding [-8, 7]; group scales / minimums [E, N, groups] per group
-        of group_size k (0: per channel), as _quantize_experts_int4 gives them."""
+        of group_size k (0: per channel), as _quantize_experts_int4 gives them; weights: as W4A8Linear's."""
         _Fp32Scales.__init__(self)
         self._take_shapes(w13_q, w2_q)
         self.group_size = group_size
+        self._weights = _int4_form(weights, group_size, w13_group_min)
         self._hold(pack_experts_int4(w13_q, w13_group_scale, w13_group_min, group_size),
                    pack_experts_int4(w2_q, w2_group_scale, w2_group_min, group_size),
                    torch.ones(w13_q.shape[:2]) if w13_scale is None else w13_scale,
@@ -715,10 +750,14 @@ class W4A8Experts(W8A8Experts):
     def from_experts(cls, experts: torch.nn.Module, group_size: int = GROUP_SIZE, symmetric: bool = True,
                      min_max: bool = False) -> "W4A8Experts":
         """Round-to-nearest int4 of the float experts per group (quantize_weight_int4's rules)."""
-        _check_int4_rounding(group_size, symmetric, min_max)
+        weights = QuantScheme(WeightScheme(4, group_size, symmetric, min_max)).validate().weights
         gate_up, down = _silu_expert_weights(experts)
         return cls(*W8A8MoE._quantize_experts_int4(gate_up, group_size, symmetric, min_max),
-                   *W8A8MoE._quantize_experts_int4(down, group_size, symmetric, min_max), group_size)
+                   *W8A8MoE._quantize_experts_int4(down, group_size, symmetric, min_max), group_size, weights=weights)
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(self._weights, DYNAMIC)
 
     def int8_weights(self, experts: slice = slice(None)):
         raise ValueError("W4A8Experts holds int4 experts with group scales, not int8 ones with channel scales: use "
@@ -736,24 +775,6 @@ class W4A8Experts(W8A8Experts):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, int4 groups of {self.group_size or 'a whole channel'}"
-
-
-def _check_bool(name: str, value) -> None:
-    """A flag must be a bool: a string such as 'no' is truthy and was taken as True, silently."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-
-
-def _check_int4_rounding(group_size: int, symmetric: bool, min_max: bool) -> None:
-    """The int4 rounding options, checked before any layer is rounded: min_max is a rule of asymmetric rounding
-    (quantize_weight_int4), which symmetric=True ignored, silently."""
-    if not is_int4_group(group_size):
-        raise ValueError(f"group_size: expected {INT4_GROUPS}, got {group_size!r}")
-    _check_bool("symmetric", symmetric)
-    _check_bool("min_max", min_max)
-    if min_max and symmetric:
-        raise ValueError("min_max: the min-max grid is asymmetric; pass symmetric=False with min_max=True "
-                         "(symmetric=True rounds symmetric, which would ignore it)")
 
 
 def _skipped(skip: SkipSpec, name: str, module: torch.nn.Module) -> bool:
@@ -787,29 +808,35 @@ def _tied_elsewhere(holders: Dict[int, List[str]], names: List[str],
             for other in holders[id(p)] if other not in own]
 
 
-SCHEMES = ("w8a8", "w4a8")
+SCHEMES = {"w8a8": _W8A8, "w4a8": _W4A8}  # quantize_model's scheme names (the keyword form)
 
 
 def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_embedding: bool = False,
-                   fuse: bool = False, scheme: str = "w8a8", group_size: int = GROUP_SIZE, symmetric: bool = True,
-                   min_max: bool = False, calibration: Optional[Calibration] = None,
+                   fuse: bool = False, scheme: Union[str, QuantScheme] = "w8a8", group_size: Optional[int] = None,
+                   symmetric: Optional[bool] = None, min_max: Optional[bool] = None,
+                   calibration: Optional[Calibration] = None,
                    on_layer: Optional[Callable[[int, int], None]] = None) -> torch.nn.Module:
     """Replace every nn.Linear in `model` (in place) with W8A8Linear, and every transformers fused-experts module
     (Mixtral / Qwen2-MoE / Qwen3-MoE `experts`) with W8A8Experts; return the model.
 
-    scheme="w4a8": the Linear layers become W4A8Linear and the fused-experts modules W4A8Experts instead
-    (round-to-nearest int4 per group of group_size k, 0: per channel; symmetric, or asymmetric with an integer zero
-    point, or min_max: quantize_weight_int4; the experts' w13 and w2 alike), except an output layer that shares its
-    table with the int8 embedding (quantize_embedding=True), which stays W8A8. group_size, symmetric and min_max
-    (min_max with symmetric=False) are int4 options: under scheme="w8a8" they must keep their defaults.
+    scheme: a QuantScheme (w8a8_cpu.scheme: W8A8, W8A8_STATIC, W4A8, W4A8_GPTQ, ... or one of your own), or the
+    keyword form: "w8a8" (default) or "w4a8" with group_size (default 32), symmetric and min_max changing its int4
+    weights (under "w8a8" they must stay unset or at int8's values) and calibration rounding them with GPTQ.
+    int4 weights: the Linear layers become W4A8Linear and the fused-experts modules W4A8Experts instead
+    (int4 per group of group_size k, 0: per channel; symmetric, or asymmetric with an integer zero point, or min_max:
+    quantize_weight_int4; the experts' w13 and w2 alike, always rounded to nearest), except an output layer that
+    shares its table with the int8 embedding (quantize_embedding=True), which stays W8A8. Static activations
+    (W8A8_STATIC, W8A8_STATIC_ASYMMETRIC): each W8A8Linear then gets its scale (and zero point) from its input's range
+    on the calibration inputs (calibrate_static_activations; fused layers stay dynamic); dynamic asymmetric
+    activations: each W8A8Linear quantizes each token with a zero point. layer.scheme reports what each layer holds.
 
-    calibration (scheme="w4a8"): round the int4 layers with GPTQ instead of to nearest. Model inputs (token ids
-    [B, T], checked against config.vocab_size when the model has one), an iterable of such batches, or a
-    callable(model) that runs the model (inputs of another form); a batch the model cannot run is a ValueError naming
-    it. One run of the float model records each int4 layer's input second moment (its Hessian), and each layer is
-    then rounded by quantize_weight_int4 with it, to minimize its output error on those inputs. on_layer(i, n) is
-    called after each of the n layers GPTQ rounds (a progress bar: SmolLM2-135M takes ~40 s on 2 threads, its
-    calibration run included).
+    calibration: the inputs of the scheme's calibrated steps (required by GPTQ rounding and static activations,
+    refused otherwise). Model inputs (token ids [B, T], checked against config.vocab_size when the model has one), an
+    iterable of such batches, or (GPTQ only) a callable(model) that runs the model (inputs of another form); a batch
+    the model cannot run is a ValueError naming it. GPTQ: one run of the float model records each int4 layer's input
+    second moment (its Hessian), and each layer is then rounded by quantize_weight_int4 with it, to minimize its
+    output error on those inputs. on_layer(i, n) is called after each of the n layers GPTQ rounds (a progress bar:
+    SmolLM2-135M takes ~40 s on 2 threads, its calibration run included).
 
     skip: module-name glob patterns (e.g. ["lm_head", "*.gate"]) or a callable(name, module) -> bool
     selecting layers to keep in floating point. What quantize_model cannot run in W8A8 is refused (ValueError naming
@@ -832,21 +859,11 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
     (skip=["lm_head"]) to keep the float tie. Once quantized, model.get_output_embeddings() returns the W8A8Linear,
     which has no float `weight`: reading it raises AttributeError and assigning one (model.tie_weights(),
     resize_token_embeddings) raises ValueError."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme: expected one of {', '.join(SCHEMES)}, got {scheme!r}")
-    if calibration is not None and scheme != "w4a8":
-        raise ValueError(f"calibration: GPTQ rounding is for int4 weights (scheme='w4a8'); scheme {scheme!r} rounds "
-                         f"to nearest")
-    _check_bool("quantize_embedding", quantize_embedding)
-    _check_bool("fuse", fuse)
-    if scheme == "w4a8":
-        _check_int4_rounding(group_size, symmetric, min_max)
-    else:  # the int4 options at their defaults only (the CLI passes them so for w8a8): others would be ignored
-        for option, value, default in (("group_size", group_size, GROUP_SIZE), ("symmetric", symmetric, True),
-                                       ("min_max", min_max, False)):
-            if not (type(value) is type(default) and value == default):
-                raise ValueError(f"{option}: {value!r} is an int4 rounding option (scheme='w4a8'); scheme {scheme!r} "
-                                 f"rounds int8 weights per channel, symmetric (leave it at {default!r})")
+    scheme = _model_scheme(scheme, group_size, symmetric, min_max, calibration)
+    weights, activations = scheme.weights, scheme.activations
+    group_size, symmetric, min_max = weights.group_size, weights.symmetric, weights.min_max
+    check_bool("quantize_embedding", quantize_embedding)
+    check_bool("fuse", fuse)
     if isinstance(skip, str):
         skip = [skip]
     embedding = _input_embedding(model) if quantize_embedding else None
@@ -886,20 +903,20 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                               f"an int8 copy, {other} keeps the float tensor. Skip {names[0]} to keep the tie, or "
                               f"pass quantize_embedding=True to share one int8 table.", stacklevel=2)
         chosen[module] = names, tied_to_embedding
-        if scheme == "w4a8" and not tied_to_embedding and isinstance(module, torch.nn.Linear):
+        if weights.bits == 4 and not tied_to_embedding and isinstance(module, torch.nn.Linear):
             int4[module] = names[0]
     if embedding is not None:
         _check_table_shared(model, embedding, holders, chosen)
     # GPTQ measures on the float model, before any layer is replaced
     gptq = gptq_layers.round_with_gptq(model, int4, calibration, group_size, symmetric, min_max, on_layer) \
-        if calibration is not None else {}
+        if weights.rounding == "gptq" else {}
     for module, (names, tied_to_embedding) in chosen.items():
         try:  # the layer's name in the error (a NaN weight): "w: ..." alone does not say which of hundreds
             if not isinstance(module, torch.nn.Linear):
-                replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) if scheme == "w4a8" \
-                    else W8A8Experts.from_experts(module)
+                replacement = W4A8Experts.from_experts(module, group_size, symmetric, min_max) \
+                    if weights.bits == 4 else W8A8Experts.from_experts(module)
             elif module in gptq:
-                replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias)
+                replacement = W4A8Linear(*gptq.pop(module), group_size, module.bias, weights=weights)
             elif module in int4:
                 replacement = W4A8Linear.from_linear(module, group_size, symmetric, min_max)
             else:
@@ -916,7 +933,51 @@ def quantize_model(model: torch.nn.Module, skip: SkipSpec = None, *, quantize_em
                                    if shares_embedding is not None else W8A8Embedding.from_embedding(embedding))
     if fuse:
         fuse_projections(model)
+    if activations.static:
+        from ..quant.static_activations import calibrate_static_activations  # lazily: it builds on nn
+
+        calibrate_static_activations(model, calibration, symmetric=activations.symmetric)
+    elif not activations.symmetric:
+        for layer in activation_layers(model).values():
+            layer.set_activations(symmetric=False)
     return model
+
+
+def _model_scheme(scheme: Union[str, QuantScheme], group_size: Optional[int], symmetric: Optional[bool],
+                  min_max: Optional[bool], calibration) -> QuantScheme:
+    """quantize_model's scheme: a QuantScheme as given, or the one its keyword form builds (calibration given: GPTQ
+    rounding), validated; calibration given where the scheme has no use for it, or missing where it needs it, is an
+    error."""
+    if isinstance(scheme, QuantScheme):
+        given = [name for name, value in (("group_size", group_size), ("symmetric", symmetric), ("min_max", min_max))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{given[0]}: the QuantScheme given as scheme states it; pass one or the other")
+    elif isinstance(scheme, str) and scheme in SCHEMES:
+        base = SCHEMES[scheme].weights
+        scheme = QuantScheme(WeightScheme(base.bits, base.group_size if group_size is None else group_size,
+                                          base.symmetric if symmetric is None else symmetric,
+                                          base.min_max if min_max is None else min_max,
+                                          "gptq" if calibration is not None else "nearest"))
+    else:
+        raise ValueError(f"scheme: expected one of {', '.join(SCHEMES)} or a QuantScheme, got {scheme!r}")
+    scheme.validate()
+    calibrated = [step for step, used in (("GPTQ rounding", scheme.weights.rounding == "gptq"),
+                                          ("static activations", scheme.activations.static)) if used]
+    if calibrated and calibration is None:
+        raise ValueError(f"calibration: the scheme's {' and '.join(calibrated)} need calibration inputs")
+    if calibration is not None and not calibrated:
+        raise ValueError("calibration: the scheme rounds to nearest and quantizes activations dynamically: nothing "
+                         "would use it")
+    return scheme
+
+
+def activation_layers(model: torch.nn.Module) -> Dict[str, W8A8Linear]:
+    """The W8A8Linear layers (by name) whose input activations a scheme sets: int4 layers run dynamic symmetric ones,
+    and the layer behind fused q/k/v slices runs one dynamic quantization for all three (checkpoints store it per
+    slice without activation parameters: a static scale there would change the model and be lost on save)."""
+    behind_slices = {id(m.fused) for m in model.modules() if isinstance(m, W8A8LinearSlice)}
+    return {name: m for name, m in model.named_modules() if type(m) is W8A8Linear and id(m) not in behind_slices}
 
 
 def _check_table_shared(model: torch.nn.Module, embedding: torch.nn.Embedding, holders: Dict[int, List[str]],

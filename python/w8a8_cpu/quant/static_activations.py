@@ -10,7 +10,7 @@ from typing import Iterable, List, Union
 import torch
 
 from .._functions import asymmetric_activation_params
-from ..nn import W8A8Linear, W8A8LinearSlice
+from ..nn import activation_layers
 from . import calibration as runner
 
 
@@ -21,11 +21,8 @@ def calibrate_static_activations(model: torch.nn.Module, calibration: Union[torc
     through the model as it is): symmetric, s = max|x| / 127; otherwise s and zero point over [min x, max x] (the
     grid widened to include 0, asymmetric_activation_params). Int4 and fused layers keep dynamic activations.
     Returns the names of the layers made static, in place."""
-    # the layer behind fused q/k/v slices runs one dynamic quantization for all three, and checkpoints store it per
-    # slice without activation parameters: a static scale there would change the model and be lost on save
-    behind_slices = {id(m.fused) for m in model.modules() if isinstance(m, W8A8LinearSlice)}
-    layers = {name: module for name, module in model.named_modules()
-              if type(module) is W8A8Linear and module.activation_scheme == "token" and id(module) not in behind_slices}
+    layers = {name: module for name, module in activation_layers(model).items()
+              if module.activation_scheme == "token"}
     ranges = {}
 
     def record(name):

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._loader import ops
-from .._packed_weight import INT4_GROUPS, is_int4_group
+from ..scheme import INT4_GROUPS, is_int4_group
 from .gptq import gptq_int4
 from .grid import Int4Grid, fp16_step
 

@@ -19,8 +19,8 @@ from vllm.platforms.interface import CpuArchEnum
 
 from ..._functions import (MAX_K_ZERO_POINT, check_static_activation_params, pack_weight, pack_weight_int4,
                            traced_mm_with_activations)
-from ..._packed_weight import is_int4_group
 from ...llm.pack_quantized import unpack_int4_rows
+from ...scheme import is_int4_group
 from . import mode
 from ._hooks import announce
 

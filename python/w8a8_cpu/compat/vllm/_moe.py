@@ -14,8 +14,8 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 
 from ..._functions import pack_experts_int4, pack_moe_weights
-from ..._packed_weight import is_int4_group
 from ...llm.pack_quantized import unpack_int4_rows
+from ...scheme import is_int4_group
 from ._hooks import announce
 from ._linear import int4_group, positive_scales
 

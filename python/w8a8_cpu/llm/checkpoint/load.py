@@ -13,12 +13,13 @@ from ..._functions import check_static_activation_params
 from ..._untrusted import echo, listing
 from ...nn import (W4A8Experts, W4A8Linear, W8A8Experts, W8A8Linear, _expert_weights, _replace_module,
                    _require_plain_silu_experts, fuse_projections, quantize_model)
+from ...scheme import DYNAMIC, ActivationScheme
 from ..pack_quantized import unpack_int4_rows
 from .layout import CONFIG_FILE, GENERATION_FILE, OWN_CONFIG_KEY, PathLike
 from .model_config import check_against_headers, empty_model, parse_model_config
 from .naming import Naming, tied_weights
 from .reader import FLOAT_DTYPES, StoredTensors, read_json
-from .scheme import DYNAMIC_TOKEN, ActivationArgs, Int4Args, Scheme, read_scheme
+from .scheme import Int4Args, Scheme, read_scheme
 
 
 def _require_fusable(name: str, module: torch.nn.Module, gate_up_q: torch.Tensor, down_q: torch.Tensor) -> None:
@@ -50,7 +51,7 @@ class _Loader:
         weight = f"{layer}.weight"
         strategy = self._strategy(layer, classes)
         if not any_activations and strategy is not None and \
-                self.scheme.activation_args(layer, classes) != DYNAMIC_TOKEN:
+                self.scheme.activation_args(layer, classes) != DYNAMIC:
             raise ValueError(f"{self.tensors.directory}: {layer} has static or asymmetric activations; w8a8_cpu runs "
                              f"those in Linear layers only, fused MoE experts take dynamic per-token symmetric ones")
         if strategy is None:
@@ -110,7 +111,7 @@ class _Loader:
         classes = [c.__name__ for c in type(module).__mro__ if issubclass(c, torch.nn.Module)]
         strategy = self._strategy(layer, classes)
         activations = self.scheme.activation_args(layer, classes)
-        if activations != DYNAMIC_TOKEN and shard is not None:
+        if activations != DYNAMIC and shard is not None:
             raise ValueError(f"{self.tensors.directory}: {layer} has static or asymmetric activations; a sharded load "
                              f"splits it, which w8a8_cpu.distributed does for dynamic per-token symmetric ones only")
         if isinstance(strategy, Int4Args):
@@ -131,7 +132,7 @@ class _Loader:
         activation_params = self._activation_params(layer, activations)
         _replace_module(self.model, name, W8A8Linear(weight, scale, bias, **activation_params))
 
-    def _activation_params(self, layer: str, activations: ActivationArgs) -> dict:
+    def _activation_params(self, layer: str, activations: ActivationScheme) -> dict:
         """W8A8Linear's activation arguments: a static layer's input_scale [1] (or a scalar), finite and > 0, and its
         input_zero_point [1] (int8 or int32) in [-128, 127] when asymmetric."""
         params = {"symmetric_activations": activations.symmetric}

@@ -5,7 +5,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 from safetensors import SafetensorError
@@ -15,11 +15,12 @@ from ..._files import open_regular, publish, staging_folder, writing
 from ..._untrusted import echo
 from ...nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
                    W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights)
+from ...scheme import W8A8, QuantScheme, WeightScheme
 from ..pack_quantized import pack_int4_rows
 from .layout import (CONFIG_FILE, GENERATION_FILE, INDEX_FILE, OWN_CONFIG_KEY, SHARD_PATTERN, SINGLE_FILE,
                      TOKENIZER_FILES, TOKENIZER_FOLDER, PathLike)
 from .naming import Naming, tied_weights
-from .scheme import DYNAMIC_TOKEN, ActivationArgs, compressed_tensors_config
+from .scheme import compressed_tensors_config
 
 
 def _is_router(module: torch.nn.Module) -> bool:
@@ -45,11 +46,11 @@ def _expert_tensors(names, gate_up: torch.Tensor, down: torch.Tensor, gate_up_sc
 
 
 def _checkpoint_tensors(model: torch.nn.Module, naming: Naming):
-    """(tensors by checkpoint name, checkpoint names of the Linear-like layers kept float)."""
+    """(tensors by checkpoint name, checkpoint names of the Linear-like layers kept float, the schemes of the layers
+    not W8A8 by checkpoint name)."""
     tensors: Dict[str, torch.Tensor] = {}
     float_layers: List[str] = []
-    int4_layers: Dict[str, Tuple[int, bool]] = {}  # checkpoint name -> (group size (0: per channel), symmetric)
-    activation_layers: Dict[str, ActivationArgs] = {}  # int8 layers whose activations are not DYNAMIC_TOKEN
+    schemes: Dict[str, QuantScheme] = {}  # int4 layers, int8 layers whose activations are not dynamic symmetric
     written_per_layer = set()  # model names of the modules whose tensors are written here, not from state_dict
 
     def linear(name: str, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
@@ -76,17 +77,16 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: Naming):
         tensors[f"{prefix}.weight_shape"] = torch.tensor(list(q.shape), dtype=torch.int64)
         if bias is not None:
             tensors[f"{prefix}.bias"] = bias.clone()
-        int4_layers[prefix] = (group, zero is None)
+        schemes[prefix] = QuantScheme(WeightScheme(4, group, symmetric=zero is None))  # integer zero points
 
     def layer(name: str, module: W8A8Linear) -> None:
         """A W8A8Linear as int-quantized tensors, a W4A8Linear as pack-quantized ones."""
         if isinstance(module, W4A8Linear):
             return int4(naming.checkpoint_name(name), name, *module.int4_weight(), module.w_scale, module.bias)
         linear(name, module.int8_weight(), module.w_scale, module.bias)
-        activations = ActivationArgs(module.input_scale is not None, module.symmetric_activations)
-        if activations != DYNAMIC_TOKEN:
+        if module.scheme != W8A8:
             prefix = naming.checkpoint_name(name)
-            activation_layers[prefix] = activations
+            schemes[prefix] = module.scheme
             for key in ("input_scale", "input_zero_point"):  # compressed-tensors' dtypes: fp32 [1], int8 [1]
                 value = getattr(module, key)
                 if value is not None:
@@ -154,7 +154,7 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: Naming):
         tensors[naming.checkpoint_name(key)] = tensor.detach().clone() if id(tensor) in seen else \
             tensor.detach().contiguous()
         seen.add(id(tensor))
-    return tensors, float_layers, int4_layers, activation_layers
+    return tensors, float_layers, schemes
 
 
 def _shards(tensors: Dict[str, torch.Tensor], max_shard_bytes: Optional[int]) -> List[Dict[str, torch.Tensor]]:
@@ -268,14 +268,13 @@ def save_compressed(model: torch.nn.Module, directory: PathLike, max_shard_bytes
             raise ValueError(f"model: its config ties {target} to {source}, but the model holds {target} apart "
                              f"(quantized or untied); keep it float and tied (skip it in quantize_model), or set "
                              f"config.tie_word_embeddings = False")
-    tensors, float_layers, int4_layers, activation_layers = _checkpoint_tensors(model, Naming(config))
+    tensors, float_layers, schemes = _checkpoint_tensors(model, Naming(config))
     has_int8 = any(t.dtype == torch.int8 for t in tensors.values())  # int8 weights (int4 ones are packed in int32)
 
     config_dict = config.to_dict()
     config_dict["architectures"] = [type(model).__name__]
     config_dict["dtype"] = str(model.dtype).removeprefix("torch.")
-    config_dict["quantization_config"] = compressed_tensors_config(float_layers, int4_layers, activation_layers,
-                                                                   has_int8)
+    config_dict["quantization_config"] = compressed_tensors_config(float_layers, schemes, has_int8)
     config_dict.pop(OWN_CONFIG_KEY, None)
     if any(isinstance(m, W8A8Embedding) for m in model.modules()):
         config_dict[OWN_CONFIG_KEY] = {"int8_embedding": True}

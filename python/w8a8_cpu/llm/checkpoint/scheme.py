@@ -1,67 +1,32 @@
 """A checkpoint's quantization_config, both ways: written from the layers' schemes (compressed-tensors), read and
-validated into which layers are quantized and how (compressed-tensors, sglang's w8a8_int8)."""
+validated into which layers are quantized and how (compressed-tensors, sglang's w8a8_int8). What a scheme is and
+which ones run is w8a8_cpu.scheme's to say; this module translates the file's fields and checks their form."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field as dataclass_field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
-from ..._packed_weight import is_int4_group
 from ..._untrusted import check_fields, echo, require
+from ...scheme import DYNAMIC, W8A8, ActivationScheme, QuantScheme, lower_enum
 from .regex_guard import check_names
 
 # ---- write ------------------------------------------------------------------------------------------------------
 
-_INT8_CHANNEL_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
-                         "dynamic": False}
 
-
-def _int4_weights(group_size: int, symmetric: bool) -> dict:
-    """compressed-tensors' QuantizationArgs of int4 weights per group (0: per channel), symmetric or with zero
-    points."""
-    return {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group" if group_size else "channel",
-            "group_size": group_size or None, "dynamic": False}
-
-
-@dataclass(frozen=True)
-class ActivationArgs:
-    """A layer's int8 input activations: static (one stored scale, `input_scale`, strategy "tensor") or dynamic
-    per token (strategy "token"), symmetric or with a zero point (`input_zero_point` when static)."""
-    static: bool
-    symmetric: bool
-
-
-DYNAMIC_TOKEN = ActivationArgs(static=False, symmetric=True)  # the default: the fused op's per-token quantization
-
-
-def _activation_quantization_args(activations: ActivationArgs) -> dict:
-    """compressed-tensors' QuantizationArgs of int8 input activations (static: per tensor; dynamic: per token)."""
-    return {"num_bits": 8, "type": "int", "symmetric": activations.symmetric,
-            "strategy": "tensor" if activations.static else "token", "group_size": None,
-            "dynamic": not activations.static}
-
-
-def compressed_tensors_config(ignore: List[str], int4_layers: Dict[str, Tuple[int, bool]],
-                              activation_layers: Dict[str, ActivationArgs], has_int8: bool) -> dict:
-    """int8 layers: one group targeting Linear (int-quantized, dynamic per-token activations), and one group per other
-    activation kind naming its layers; int4 layers ({name: (group size, symmetric)}): one pack-quantized group per kind
-    naming them (exact names take precedence over the class target)."""
+def compressed_tensors_config(ignore: List[str], schemes: Dict[str, QuantScheme], has_int8: bool) -> dict:
+    """int8 layers: one group targeting Linear (W8A8: int-quantized, dynamic per-token activations); every other
+    scheme of `schemes` ({layer: its scheme}, the layers not W8A8): one group naming its layers (exact names take
+    precedence over the class target), static and asymmetric int8 activations first, then int4 weights
+    (pack-quantized) by group size and symmetry."""
     groups = {}
-    if has_int8 or not int4_layers:
-        groups["group_0"] = {"targets": ["Linear"], "weights": dict(_INT8_CHANNEL_WEIGHTS),
-                             "input_activations": _activation_quantization_args(DYNAMIC_TOKEN),
-                             "output_activations": None, "format": "int-quantized"}
-    names = (f"group_{i}" for i in range(1, len(activation_layers) + len(int4_layers) + 1))
-    for activations in sorted(set(activation_layers.values()), key=lambda a: (a.static, a.symmetric)):
-        groups[next(names)] = {
-            "targets": sorted(n for n, a in activation_layers.items() if a == activations),
-            "weights": dict(_INT8_CHANNEL_WEIGHTS), "input_activations": _activation_quantization_args(activations),
-            "output_activations": None, "format": "int-quantized"}
-    for kind in sorted(set(int4_layers.values())):
-        groups[next(names)] = {
-            "targets": sorted(n for n, k in int4_layers.items() if k == kind), "weights": _int4_weights(*kind),
-            "input_activations": _activation_quantization_args(DYNAMIC_TOKEN), "output_activations": None,
-            "format": "pack-quantized"}
+    if has_int8 or all(s.weights.bits == 8 for s in schemes.values()):  # or no int4 layers
+        groups["group_0"] = {"targets": ["Linear"], **W8A8.to_compressed_tensors()}
+    kinds = sorted(set(schemes.values()), key=lambda s: (s.weights.bits == 4, s.weights.group_size, s.weights.symmetric,
+                                                         s.activations.static, s.activations.symmetric))
+    for i, scheme in enumerate(kinds, start=1):
+        groups[f"group_{i}"] = {"targets": sorted(n for n, s in schemes.items() if s == scheme),
+                                **scheme.to_compressed_tensors()}
     formats = {group["format"] for group in groups.values()}
     return {
         "quant_method": "compressed-tensors",
@@ -86,7 +51,7 @@ class Scheme:
     targets: Dict[str, Union[str, "Int4Args"]]  # target -> int8 strategy ("channel" / "tensor") or int4 args
     ignore: Tuple[str, ...]
     by_stored_dtype: bool  # sglang w8a8_int8: a layer is W8A8 iff its weight is stored int8
-    activations: Dict[str, ActivationArgs] = dataclass_field(default_factory=dict)  # target -> its input activations
+    activations: Dict[str, ActivationScheme] = dataclass_field(default_factory=dict)  # target -> its input activations
 
     def __post_init__(self):
         # every `re:` entry compiled once (re's own cache holds 512: more entries would be recompiled per layer)
@@ -121,15 +86,10 @@ class Scheme:
         target = self._target(layer, classes)
         return None if target is None else self.targets[target]
 
-    def activation_args(self, layer: str, classes: Sequence[str]) -> ActivationArgs:
+    def activation_args(self, layer: str, classes: Sequence[str]) -> ActivationScheme:
         """The input activations of a layer the checkpoint quantizes."""
         target = None if self.by_stored_dtype else self._target(layer, classes)
-        return DYNAMIC_TOKEN if target is None else self.activations.get(target, DYNAMIC_TOKEN)
-
-
-def _lower(value):
-    """compressed-tensors reads its enum fields (type, strategy) case-insensitively."""
-    return value.lower() if isinstance(value, str) else value
+        return DYNAMIC if target is None else self.activations.get(target, DYNAMIC)
 
 
 _ARGS_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
@@ -146,20 +106,17 @@ class Int4Args:
     packed: bool = True
 
 
-def _check_int4_args(args: dict, where: str, field: str, packed: bool) -> Int4Args:
-    """4-bit weights: group or channel strategy, symmetric or with zero points."""
-    require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
+def _check_int4_args(args: dict, where: str, field: str) -> None:
+    """The form of 4-bit weights' fields: group or channel strategy (the group size and symmetry: the scheme's)."""
+    require(lower_enum(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
             "w8a8_cpu runs int4 integer weights only")
-    require(args.get("symmetric", True) in (True, False), where, f"{field}.symmetric", args.get("symmetric"),
-            "expected true or false")
     group_size = args.get("group_size")
-    strategy = _lower(args.get("strategy")) or ("channel" if group_size in (None, -1) else "group")
+    strategy = lower_enum(args.get("strategy")) or ("channel" if group_size in (None, -1) else "group")
     require(strategy in ("group", "channel"), where, f"{field}.strategy", strategy,
             "w8a8_cpu runs int4 weights per group or per channel")
     if strategy == "group":
-        require(is_int4_group(group_size) and group_size != 0,
-                where, f"{field}.group_size", group_size,
-                "w8a8_cpu runs int4 groups of a power of two from 32 to 65536")
+        require(type(group_size) is int and group_size > 0, where, f"{field}.group_size", group_size,
+                "expected the group size of strategy group")
     else:
         require(group_size in (None, -1), where, f"{field}.group_size", group_size, "expected none per channel")
     require(args.get("block_structure") is None, where, f"{field}.block_structure", args.get("block_structure"),
@@ -168,26 +125,23 @@ def _check_int4_args(args: dict, where: str, field: str, packed: bool) -> Int4Ar
             "expected false: weights carry static scales")
     require(args.get("actorder") in (None, False, "weight"), where, f"{field}.actorder", args.get("actorder"),
             "activation-ordered groups (g_idx) are not supported")
-    return Int4Args(group_size if strategy == "group" else 0, args.get("symmetric", True), packed)
 
 
 def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic: Optional[bool],
-                int4_format: Optional[str] = None, asymmetric: bool = False):
-    """Validate one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy (int8), or
-    for 4-bit weights (int4_format: the group's format, given for weights) an Int4Args. asymmetric: zero points
-    allowed; dynamic None: left to the caller."""
+                weights: bool = False) -> Optional[str]:
+    """Check the form of one compressed-tensors QuantizationArgs dict (its defaults applied); return its strategy
+    (8 bits), or None for 4-bit weights. weights: the group's weights (their bits and symmetry are the scheme's to
+    judge), else input activations (int8 by their form); dynamic None: left to the caller."""
     require(isinstance(args, dict), where, field, args, "expected an object")
     check_fields(args, _ARGS_FIELDS, where, field)
-    if int4_format is not None and args.get("num_bits") == 4:
-        return _check_int4_args(args, where, field, packed=int4_format == _INT4_FORMAT)
-    require(args.get("num_bits", 8) == 8, where, f"{field}.num_bits", args.get("num_bits"),
-            "w8a8_cpu runs 8-bit quantization only (4-bit weights: pack-quantized)")
-    require(_lower(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
+    if weights and args.get("num_bits") == 4:
+        return _check_int4_args(args, where, field)
+    require(weights or args.get("num_bits", 8) == 8, where, f"{field}.num_bits", args.get("num_bits"),
+            "w8a8_cpu runs int8 activations only")
+    require(lower_enum(args.get("type", "int")) == "int", where, f"{field}.type", args.get("type"),
             "w8a8_cpu runs int8 only (not float / fp8)")
-    require(args.get("symmetric", True) in ((True, False) if asymmetric else (True,)), where, f"{field}.symmetric",
-            args.get("symmetric"), "w8a8_cpu runs symmetric int8 weights only (no zero points)")
     group_size = args.get("group_size")
-    strategy = _lower(args.get("strategy"))
+    strategy = lower_enum(args.get("strategy"))
     if strategy is None:  # compressed-tensors infers it from group_size: none -> tensor, -1 -> channel, else group
         strategy = "tensor" if group_size is None else "channel" if group_size == -1 else "group"
     require(strategy in strategies, where, f"{field}.strategy", strategy,
@@ -204,13 +158,12 @@ def _check_args(args, where: str, field: str, strategies: Sequence[str], dynamic
     return strategy
 
 
-def _check_activation_args(args, where: str, field: str) -> ActivationArgs:
-    """int8 activations: dynamic per token or static per tensor, symmetric or not (quantize_activations)."""
-    strategy = _check_args(args, where, field, ("token", "tensor"), dynamic=None, asymmetric=True)
+def _check_activation_args(args, where: str, field: str) -> None:
+    """The form of int8 activations' fields: dynamic per token or static per tensor."""
+    strategy = _check_args(args, where, field, ("token", "tensor"), dynamic=None)
     require(args.get("dynamic", False) is (strategy == "token"), where, f"{field}.dynamic", args.get("dynamic"),
             "w8a8_cpu runs dynamic per-token (strategy token, dynamic true) or static per-tensor (strategy tensor, "
             "dynamic false) activations")
-    return ActivationArgs(static=strategy == "tensor", symmetric=args.get("symmetric", True))
 
 
 _COMPRESSED_TENSORS_FIELDS = ("quant_method", "format", "quantization_status", "config_groups", "ignore",
@@ -232,7 +185,7 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> Scheme:
     groups = qc.get("config_groups")
     require(isinstance(groups, dict) and groups, where, "config_groups", groups, "expected a non-empty object")
     targets: Dict[str, str] = {}
-    activations_of: Dict[str, ActivationArgs] = {}
+    activations_of: Dict[str, ActivationScheme] = {}
     for group_name, group in groups.items():
         field = f"config_groups[{echo(group_name)}]"
         require(isinstance(group, dict), where, field, group,
@@ -247,13 +200,17 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> Scheme:
         require(group.get("output_activations") is None, where, f"{field}.output_activations",
                 group.get("output_activations"), "output quantization is not supported")
         strategy = _check_args(group["weights"], where, f"{field}.weights", ("channel", "tensor"), dynamic=False,
-                               int4_format=group_format)
-        require(group_format != _INT4_FORMAT or isinstance(strategy, Int4Args), where, f"{field}.format",
+                               weights=True)
+        require(group_format != _INT4_FORMAT or strategy is None, where, f"{field}.format",
                 group_format, "pack-quantized holds 4-bit weights; int8 weights are int-quantized")
-        activations = _check_activation_args(group["input_activations"], where, f"{field}.input_activations")
-        require(activations == DYNAMIC_TOKEN or not isinstance(strategy, Int4Args), where,
-                f"{field}.input_activations", group["input_activations"],
-                "int4 weights run with int8 dynamic per-token symmetric activations only")
+        _check_activation_args(group["input_activations"], where, f"{field}.input_activations")
+        try:
+            scheme = QuantScheme.from_compressed_tensors(group["weights"], group["input_activations"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {field}.{e}") from None
+        activations = scheme.activations
+        if strategy is None:
+            strategy = Int4Args(scheme.weights.group_size, scheme.weights.symmetric, group_format == _INT4_FORMAT)
         for target in check_names(group.get("targets"), where, f"{field}.targets"):
             # a later group's scheme replaces an earlier one's (compressed-tensors' rule)
             targets[target] = strategy

@@ -56,7 +56,7 @@ FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "
 # SmoothQuant with one scale per group of 32 input channels keeps them on it (a group scales as one), so that row
 # measures the activations' error; symmetric int4 after (per-channel) SmoothQuant, rounded with GPTQ on the
 # calibration text, is the honest int4 rounding error on this model.
-W4A8_ASYM, W4A8_SYM_SQ = "W4A8 g32 min-max (SQ/32)", "W4A8 g32 sym (SQ, GPTQ)"
+W4A8_ASYM, W4A8_SYM_SQ = f"W4A8 g{GROUP_SIZE} min-max (SQ/{GROUP_SIZE})", f"W4A8 g{GROUP_SIZE} sym (SQ, GPTQ)"
 # Grouped SmoothQuant's alpha for the min-max row (GPL-3 perplexity vs fp32, round to nearest): 0.6 +3.1%, 0.75 +2.3%,
 # 0.85 +1.8-2.1%, 0.9 +2.7%, 1.0 +2.4%; no SmoothQuant +3.7%. With the weights exact, a larger share of the outliers
 # can go to them than per channel (0.6). GPTQ on top: +1.8-2.5%, no better, so the row rounds to nearest.

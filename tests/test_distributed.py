@@ -69,7 +69,8 @@ def _whole_model(model, ids, **shard_options):
 def case_layers(rank: int, world_size: int, out: Path) -> dict:
     """One W8A8Linear split by rows and by columns, one W8A8Experts split by experts, exact and the usual way."""
     from w8a8_cpu import distributed
-    from w8a8_cpu.nn import W8A8Experts, W8A8Linear, W8A8MoE
+    from w8a8_cpu.nn import W8A8Experts, W8A8Linear
+    from w8a8_cpu.nn.experts import quantize_experts
 
     torch.manual_seed(0)  # the same layer on every rank
     gen = torch.Generator().manual_seed(7)
@@ -89,7 +90,7 @@ def case_layers(rank: int, world_size: int, out: Path) -> dict:
     experts, hidden, inter = 6, 64, 32
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
     w2 = torch.randn(experts, hidden, inter, generator=gen)
-    moe = W8A8Experts(*W8A8MoE._quantize_experts(w13), *W8A8MoE._quantize_experts(w2))
+    moe = W8A8Experts(*quantize_experts(w13), *quantize_experts(w2))
     share = slice(rank * experts // world_size, (rank + 1) * experts // world_size)
     for top_k in (2, 4):
         x = torch.randn(17, hidden, generator=gen)
@@ -269,7 +270,8 @@ def case_standalone_layers(rank: int, world_size: int, out: Path) -> dict:
     """Sharded layers used on their own (no model input check): a NaN in one rank's slice, ranks passing other row
     counts or slices, MoE ids outside every rank's experts, other routing on one rank."""
     from w8a8_cpu import distributed
-    from w8a8_cpu.nn import W8A8Experts, W8A8Linear, W8A8MoE
+    from w8a8_cpu.nn import W8A8Experts, W8A8Linear
+    from w8a8_cpu.nn.experts import quantize_experts
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(5)
@@ -285,8 +287,8 @@ def case_standalone_layers(rank: int, world_size: int, out: Path) -> dict:
                "rows": _error_of(lambda: row(four_rows[: 3 + (rank == 1), cols])),
                "columns": _error_of(lambda: row(x if rank == 1 else x[:, cols]))}
     experts, hidden = 4, 32
-    moe = W8A8Experts(*W8A8MoE._quantize_experts(torch.randn(experts, 32, hidden, generator=gen)),
-                      *W8A8MoE._quantize_experts(torch.randn(experts, hidden, 16, generator=gen)))
+    moe = W8A8Experts(*quantize_experts(torch.randn(experts, 32, hidden, generator=gen)),
+                      *quantize_experts(torch.randn(experts, hidden, 16, generator=gen)))
     sharded = distributed.ExpertShard(slice(rank * 2, rank * 2 + 2), experts, "experts").of(moe)
     h, weights = torch.randn(3, hidden, generator=gen), torch.rand(3, 2, generator=gen)
     ids = torch.tensor([[0, 1], [2, 3], [3, 0]])

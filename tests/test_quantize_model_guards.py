@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from w8a8_cpu.nn import (W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8Linear,  # noqa: E402
-                         _computes_plain_silu_experts, quantize_model)
+from w8a8_cpu.nn import W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8Linear, quantize_model  # noqa: E402
+from w8a8_cpu.nn.probes import computes_plain_silu_experts  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
@@ -108,7 +108,7 @@ def test_probe_accepts_plain_experts_under_every_backend_and_restores_the_config
     """Mixtral's experts under each transformers backend (batched_mm's bmm rounds otherwise than F.linear: the probe
     runs the eager loop), and the config's choice is left as it was."""
     experts = mixtral_experts(implementation)
-    assert _computes_plain_silu_experts(experts, experts.gate_up_proj[0], experts.down_proj[0])
+    assert computes_plain_silu_experts(experts, experts.gate_up_proj[0], experts.down_proj[0])
     assert experts.config._experts_implementation == implementation
     block = Block(experts).eval()
     inputs = routing()
@@ -124,8 +124,8 @@ def test_probe_runs_on_experts_whose_parameters_are_on_the_meta_device():
         clamped, plain = deepseek_v4_experts(), mixtral_experts()
     gen = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(128, 64, generator=gen), torch.randn(64, 64, generator=gen)
-    assert _computes_plain_silu_experts(plain, gate_up, down)
-    assert not _computes_plain_silu_experts(clamped, gate_up, down)
+    assert computes_plain_silu_experts(plain, gate_up, down)
+    assert not computes_plain_silu_experts(clamped, gate_up, down)
     assert plain.gate_up_proj.is_meta and clamped.gate_up_proj.is_meta
 
 

@@ -41,6 +41,7 @@ import torch
 import w8a8_cpu
 
 from .._packed_weight import header_half_scales, scale_bytes
+from ..nn.experts import quantize_experts
 from .baselines import ao_dynamic
 from .options import output_file, positive_int
 from .timing import Progress, interleaved, medians
@@ -301,8 +302,8 @@ def moe_candidates(m: int, experts: int, topk: int, gen: torch.Generator,
     weights, ids = moe.route(torch.randn(m, experts, generator=gen))
     w13_bf16, w2_bf16 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
     # the same int8 experts, packed as one linear weight each
-    w13_p = [w8a8_cpu.pack_weight(w) for w in moe._quantize_experts(w13)[0]]
-    w2_p = [w8a8_cpu.pack_weight(w) for w in moe._quantize_experts(w2)[0]]
+    w13_p = [w8a8_cpu.pack_weight(w) for w in quantize_experts(w13)[0]]
+    w2_p = [w8a8_cpu.pack_weight(w) for w in quantize_experts(w2)[0]]
     return {
         MOE_OURS: lambda: w8a8_cpu.fused_experts(x, moe.w13_packed, moe.w2_packed, weights, ids,
                                                  moe.w13_scale, moe.w2_scale),

@@ -33,7 +33,9 @@ import torch.distributed as dist
 from .._functions import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8,
                           scale_accumulators, unpack_weight)
 from .._packed_weight import HEADER_BYTES, MAGIC
-from ..nn import W8A8Experts, W8A8Linear, _expert_weights, _replace_module
+from ..nn import W8A8Experts, W8A8Linear
+from ..nn.experts import expert_weights
+from ..nn.transform import replace_module
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -524,7 +526,7 @@ def _num_experts(module: torch.nn.Module) -> Optional[int]:
     device, as load_sharded plans before reading), else None."""
     if isinstance(module, W8A8Experts):
         return module.num_experts
-    weights = _expert_weights(module)
+    weights = expert_weights(module)
     return None if weights is None else weights[0].shape[0]
 
 
@@ -591,9 +593,9 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
     if check_weights:
         check_same_weights(model, group)
     for name, shard in plan.linears.items():
-        _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
+        replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Linear)))
     for name, shard in plan.experts.items():
-        _replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
+        replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
     _sharded_forward_checks(model, group)
     return plan.report
 

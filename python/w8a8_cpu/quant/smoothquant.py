@@ -28,7 +28,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..nn import ColumnScaledEmbedding, _expert_weights, _is_table_lookup
+from ..nn.embedding import ColumnScaledEmbedding, is_table_lookup
+from ..nn.experts import expert_weights
 from . import calibration as runner
 from .smoothquant_pairs import (DISCOVERY_TOKENS, Mapping, NotSmoothed, OutputPairRecorder, Pair, decoder_layers,
                                 derived_pairs, explicit_pairs, fold, input_weight, run_recorded, scale_shape)
@@ -126,7 +127,7 @@ class _Site:
         self.layer, self.pair, self.modules = layer, pair, modules
         self.producer = modules[pair.producer]
         self.consumers = [modules[name] for name in pair.consumers]
-        self.per_expert = _expert_weights(self.producer) is not None
+        self.per_expert = expert_weights(self.producer) is not None
         self.x_absmax = torch.zeros(scale_shape(pair, modules)) if self.per_expert else None
         if self.per_expert:
             self.expert_seen = torch.zeros(self.x_absmax.shape[0], dtype=torch.bool)
@@ -176,7 +177,7 @@ class _Site:
             raise ValueError(f"mappings: layer {self.layer}: {self.pair.consumers[0]} received no calibration "
                              f"tokens")
         if self.per_expert:
-            down_columns = _expert_weights(self.producer)[1].detach().abs().amax(dim=1).float().cpu()
+            down_columns = expert_weights(self.producer)[1].detach().abs().amax(dim=1).float().cpu()
             scale = _smoothing_scale(_group_max(self.x_absmax, group_size), _group_max(down_columns, group_size),
                                      alpha)
             scale[~self.expert_seen] = 1.0  # no tokens, no statistic: leave that expert as it is
@@ -380,7 +381,7 @@ def _embedding_tied_to(model: torch.nn.Module, output: torch.nn.Linear) -> Optio
     embedding = get() if callable(get) else None
     if getattr(embedding, "weight", None) is not output.weight:
         return None
-    if not isinstance(embedding, torch.nn.Embedding) or not _is_table_lookup(embedding) or \
+    if not isinstance(embedding, torch.nn.Embedding) or not is_table_lookup(embedding) or \
             embedding.max_norm is not None or not callable(getattr(model, "set_input_embeddings", None)):
         raise ValueError(f"output_alpha: the output layer is tied to {type(embedding).__name__}, which cannot take "
                          f"the inverse column scale (a plain nn.Embedding lookup without max_norm, "

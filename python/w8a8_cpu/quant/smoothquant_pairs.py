@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..nn import _expert_weights
+from ..nn.experts import expert_weights
 from . import calibration as runner
 
 Mapping = Tuple[str, Sequence[str]]
@@ -100,7 +100,7 @@ class Pair:
 
 def input_weight(module: torch.nn.Module, name: str) -> torch.Tensor:
     """The weight whose last dimension runs over the module's input channels."""
-    experts = _expert_weights(module)
+    experts = expert_weights(module)
     if experts is not None:
         return experts[0]
     weight = getattr(module, "weight", None)
@@ -119,12 +119,12 @@ def _is_norm(module: torch.nn.Module) -> bool:
 def _is_consumer(module: torch.nn.Module) -> bool:
     """A module whose input a fold can smooth: a 2-D weight (Linear, router) or fused experts."""
     weight = getattr(module, "weight", None)
-    return _expert_weights(module) is not None or (isinstance(weight, torch.Tensor) and weight.dim() == 2
+    return expert_weights(module) is not None or (isinstance(weight, torch.Tensor) and weight.dim() == 2
                                                    and not isinstance(module, torch.nn.Embedding))
 
 
 def _producer_channels(module: torch.nn.Module, name: str) -> int:
-    experts = _expert_weights(module)
+    experts = expert_weights(module)
     if experts is not None:
         return experts[1].shape[-1]
     if isinstance(module, torch.nn.Linear):
@@ -141,7 +141,7 @@ def _scale_(tensor: torch.Tensor, factor: torch.Tensor, offset: float = 0.0) -> 
 
 
 def scale_shape(pair: Pair, modules: dict) -> Tuple[int, ...]:
-    experts = _expert_weights(modules[pair.producer])
+    experts = expert_weights(modules[pair.producer])
     if experts is not None:
         return tuple(experts[1].shape[::2])  # [E, I]: one s per expert
     return (input_weight(modules[pair.consumers[0]], pair.consumers[0]).shape[-1] // pair.groups,)
@@ -150,7 +150,7 @@ def scale_shape(pair: Pair, modules: dict) -> Tuple[int, ...]:
 def fold(pair: Pair, modules: dict, scale: torch.Tensor) -> None:
     """Divides the producer's smoothed output channels by scale and multiplies the consumers' columns by it."""
     producer = modules[pair.producer]
-    experts = _expert_weights(producer)
+    experts = expert_weights(producer)
     if experts is not None:
         gate_up, down = experts
         scale = scale.to(down.device)
@@ -188,7 +188,7 @@ def _attention_heads(model: torch.nn.Module) -> Tuple[int, Optional[int]]:
 
 def _explicit_pair(producer: str, consumers: Tuple[str, ...], modules: dict, head_dim: Optional[int],
                    where: str) -> Pair:
-    if _expert_weights(modules[producer]) is not None:
+    if expert_weights(modules[producer]) is not None:
         if consumers != (producer,):
             raise ValueError(f"mappings: {where}: fused-experts producer {producer} must be its own only "
                              f"consumer (up half of gate_up_proj -> down_proj), got {list(consumers)}")
@@ -343,7 +343,7 @@ def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
     for name, (read_at, read) in record.read.items():
         if name in why_not or any(name in pair.consumers for pair in pairs):
             continue
-        is_experts = _expert_weights(modules[name]) is not None  # reads a norm's output or nothing foldable
+        is_experts = expert_weights(modules[name]) is not None  # reads a norm's output or nothing foldable
         pair = None if is_experts else best_fold(_linear_candidates(record, name, read_at, kv_groups, head_dim))
         if pair:
             pairs.append(pair)
@@ -352,7 +352,7 @@ def _fold_exactly(record: _LayerRecord, kv_groups: int, head_dim: Optional[int])
         else:
             why_not[name] = "reads no norm's output, and no Linear's output folds into it"
     for name in record.read:  # each expert's up rows -> its down_proj
-        if _expert_weights(modules[name]) is not None:
+        if expert_weights(modules[name]) is not None:
             if best_fold([Pair(name, (name,))]):
                 pairs.append(Pair(name, (name,)))
             else:

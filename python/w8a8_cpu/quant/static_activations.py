@@ -10,7 +10,7 @@ from typing import Iterable, List, Union
 import torch
 
 from .._functions import asymmetric_activation_params
-from ..nn import activation_layers
+from ..nn.transform import activation_layers
 from . import calibration as runner
 
 

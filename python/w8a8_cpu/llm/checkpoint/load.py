@@ -11,8 +11,9 @@ import torch
 
 from ..._functions import check_static_activation_params
 from ..._untrusted import echo, listing
-from ...nn import (W4A8Experts, W4A8Linear, W8A8Experts, W8A8Linear, _expert_weights, _replace_module,
-                   _require_plain_silu_experts, fuse_projections, quantize_model)
+from ...nn import W4A8Experts, W4A8Linear, W8A8Experts, W8A8Linear, fuse_projections, quantize_model
+from ...nn.experts import expert_weights, require_plain_silu_experts
+from ...nn.transform import replace_module
 from ...scheme import DYNAMIC, ActivationScheme
 from ..pack_quantized import unpack_int4_rows
 from .layout import CONFIG_FILE, GENERATION_FILE, OWN_CONFIG_KEY, PathLike
@@ -23,11 +24,11 @@ from .scheme import Int4Args, Scheme, read_scheme
 
 
 def _require_fusable(name: str, module: torch.nn.Module, gate_up_q: torch.Tensor, down_q: torch.Tensor) -> None:
-    """The checkpoint's experts module must compute what the fused experts do (nn._require_plain_silu_experts: a
+    """The checkpoint's experts module must compute what the fused experts do (nn.experts.require_plain_silu_experts: a
     clamp such as DeepSeek-V4's swiglu_limit would be dropped, silently), probed with one expert's stored integer
     weights: the forward's form is tested, not the values."""
     try:
-        _require_plain_silu_experts(module, gate_up_q, down_q)
+        require_plain_silu_experts(module, gate_up_q, down_q)
     except ValueError as e:
         raise ValueError(f"model: {name}: {e}") from None
 
@@ -104,7 +105,7 @@ class _Loader:
         values = self._int4_values(layer, args, *module.weight.shape)
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32)
-        _replace_module(self.model, name, W4A8Linear(*values, args.group_size, bias))
+        replace_module(self.model, name, W4A8Linear(*values, args.group_size, bias))
 
     def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
@@ -128,9 +129,9 @@ class _Loader:
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32, rows)
         if shard is not None:
-            return _replace_module(self.model, name, shard.build(weight, scale, bias))
+            return replace_module(self.model, name, shard.build(weight, scale, bias))
         activation_params = self._activation_params(layer, activations)
-        _replace_module(self.model, name, W8A8Linear(weight, scale, bias, **activation_params))
+        replace_module(self.model, name, W8A8Linear(weight, scale, bias, **activation_params))
 
     def _activation_params(self, layer: str, activations: ActivationScheme) -> dict:
         """W8A8Linear's activation arguments: a static layer's input_scale [1] (or a scalar), finite and > 0, and its
@@ -153,7 +154,7 @@ class _Loader:
     def experts(self, name: str, module: torch.nn.Module, shard=None) -> None:
         """The experts module from its per-expert Linear layers (only the experts `shard.part` when sharded: the
         others' headers decide whether the module is int8, their tensors are left to their ranks)."""
-        gate_up, down = _expert_weights(module)
+        gate_up, down = expert_weights(module)
         experts, inter2, hidden = gate_up.shape
         shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
         all_layers = self.naming.expert_linears(name, experts)
@@ -183,7 +184,7 @@ class _Loader:
         w13_scale = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in loaded])
         w2_scale = torch.stack([down[1] for _, _, down in loaded])
         local = W8A8Experts(w13, w13_scale, w2, w2_scale)
-        _replace_module(self.model, name, local if shard is None else shard.build(local))
+        replace_module(self.model, name, local if shard is None else shard.build(local))
 
     def _int4_experts(self, name: str, module: torch.nn.Module, strategies: List, shard) -> None:
         """Experts whose projections are all int4 of one kind (group size, symmetry, packing) as a W4A8Experts."""
@@ -195,7 +196,7 @@ class _Loader:
             raise ValueError(f"{where} hold int4 weights; a sharded load splits them, which w8a8_cpu.distributed "
                              f"does for W8A8 experts only")
         args = strategies[0]
-        experts, inter2, hidden = _expert_weights(module)[0].shape
+        experts, inter2, hidden = expert_weights(module)[0].shape
         shapes = ((inter2 // 2, hidden), (inter2 // 2, hidden), (hidden, inter2 // 2))
         loaded = [[self._int4_values(layer, args, *shape) for layer, shape in zip(layers, shapes)]
                   for layers in self.naming.expert_linears(name, experts)]
@@ -208,7 +209,7 @@ class _Loader:
         w13 = [stacked((0, 1), value) for value in range(3)]
         w2 = [stacked((2,), value) for value in range(3)]
         _require_fusable(name, module, w13[0][0], w2[0][0])
-        _replace_module(self.model, name, W4A8Experts(*w13, *w2, args.group_size))
+        replace_module(self.model, name, W4A8Experts(*w13, *w2, args.group_size))
 
     def remaining(self, tied: Sequence[str]) -> None:
         """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its
@@ -299,7 +300,7 @@ def load(directory: PathLike, plan=None, dtype: Optional[torch.dtype] = None):
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear) and f"{name}.weight" not in tied:
                 loader.linear(name, module, linear_shards.get(name))
-            elif _expert_weights(module) is not None:
+            elif expert_weights(module) is not None:
                 loader.experts(name, module, expert_shards.get(name))
             else:
                 continue

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 from ..._files import open_regular, publish, staging_folder, writing
 from ..._untrusted import echo
 from ...nn import (ColumnScaledEmbedding, W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8GatedMLP,
-                   W8A8Linear, W8A8LinearSlice, W8A8MoE, _expert_weights)
+                   W8A8Linear, W8A8LinearSlice, W8A8MoE)
+from ...nn.experts import expert_weights
 from ...scheme import W8A8, QuantScheme, WeightScheme
 from ..pack_quantized import pack_int4_rows
 from .layout import (CONFIG_FILE, GENERATION_FILE, INDEX_FILE, OWN_CONFIG_KEY, SHARD_PATTERN, SINGLE_FILE,
@@ -132,8 +133,8 @@ def _checkpoint_tensors(model: torch.nn.Module, naming: Naming):
         elif isinstance(module, W8A8Experts):
             names = naming.expert_linears(name, module.num_experts)
             tensors.update(_expert_tensors(names, *module.int8_weights(), module.w13_scale, module.w2_scale))
-        elif _expert_weights(module) is not None:  # experts that quantize_model was told to skip
-            gate_up, down = (w.detach() for w in _expert_weights(module))
+        elif expert_weights(module) is not None:  # experts that quantize_model was told to skip
+            gate_up, down = (w.detach() for w in expert_weights(module))
             names = naming.expert_linears(name, gate_up.shape[0])
             tensors.update(_expert_tensors(names, gate_up, down))
             float_layers += [layer for expert in names for layer in expert]

@@ -35,6 +35,7 @@ TORCH_LIBRARY(w8a8_cpu, m) {
       "fused_experts(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, Tensor w13_scale, "
       "Tensor w2_scale, str activation='silu', bool apply_router_weight_on_input=False) -> Tensor");
   m.def("_verify_packed_weight(Tensor blob) -> ()");
+  m.def("_read_probe(Tensor buffer, str way) -> int");
   m.def("_info() -> str", &w8a8_cpu::info_op);
   m.def("_set_variant(str name) -> str", &w8a8_cpu::set_variant_op);
 }
@@ -56,4 +57,5 @@ TORCH_LIBRARY_IMPL(w8a8_cpu, CPU, m) {
   m.impl("pack_weight_int4", &w8a8_cpu::pack_weight_int4_op);
   m.impl("fused_experts", &w8a8_cpu::fused_experts_op);
   m.impl("_verify_packed_weight", &w8a8_cpu::verify_packed_weight_op);
+  m.impl("_read_probe", &w8a8_cpu::read_probe_op);
 }

@@ -51,6 +51,9 @@ at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, con
                             const at::Tensor& w2_scale, c10::string_view activation,
                             bool apply_router_weight_on_input);
 
+// read_probe_ops.cpp
+int64_t read_probe_op(const at::Tensor& buffer, const std::string& way);
+
 // info_ops.cpp
 std::string info_op();
 std::string set_variant_op(const std::string& name);

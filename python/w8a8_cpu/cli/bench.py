@@ -15,11 +15,13 @@ Linear candidates (fp32 activations unless noted; weights made once per shape):
   w8a8_cpu W4A8   w8a8_cpu.nn.W4A8Linear: int4 weights in symmetric groups of 32 (--w4a8-group-size: 32, 64 or 128;
                   ~half the weight bytes), the same op
 Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
-and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The streaming-read reference is
-torch.sum over a 256 MiB float32 tensor: best of a few before and after the cases (printed), and in every decode
-case one more candidate of the interleaved rounds, so decode efficiency = w8a8_cpu weight bytes per second / the
-read bandwidth of the same rounds (both medians), which the load of other jobs on the memory bus hits alike; W4A8's
-decode efficiency counts its own bytes (nibbles and group scales, fp16-stored: quantize_weight_int4's scales are fp16
+and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The read limit: the fastest read of
+a 256 MiB buffer this core does (w8a8_cpu's _read_probe three ways: plain wide loads, software prefetch ahead,
+non-temporal prefetch; best of a few before and after the cases, printed), each way also a candidate of every decode
+case's interleaved rounds; a case's limit is the best of those reads and of every baseline's weight bytes per second
+in the same rounds (a peer GEMV that reads faster than the probe sets the limit). Decode efficiency = w8a8_cpu weight
+bytes per second / that limit (medians of the same rounds, which the load of other jobs on the memory bus hits
+alike); W4A8's counts its own bytes (nibbles and group scales, fp16-stored: quantize_weight_int4's scales are fp16
 values).
 """
 from __future__ import annotations
@@ -75,8 +77,11 @@ OURS = "w8a8_cpu"
 FP32, BF16, AO, WO = "torch fp32", "torch bf16", "torch.ao int8", "torch int8 wo"
 ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
 W4A8, W4A8_GROUPS = "w8a8_cpu W4A8", (32, 64, 128)
-BASELINES = (FP32, BF16, AO, WO, ORT_RR, ORT, W4A8)
-READ = "streaming read"  # pseudo-candidate of decode cases: torch.sum over the reference tensor
+PEERS = (FP32, BF16, AO, WO, ORT_RR, ORT)  # other libraries' GEMMs
+BASELINES = PEERS + (W4A8,)
+# The read probe's ways (w8a8_cpu._read_probe), each a pseudo-candidate "read <way>" of decode cases.
+READ_WAYS = ("plain", "prefetch", "nta")
+READS = tuple(f"read {way}" for way in READ_WAYS)
 # Decode cases also time ours as a model's decode runs its layers: distinct copies of the layer (STACK_MIB of int8
 # weights in all, far past the last-level cache) called back to back, so each reads its weights from memory while the
 # code and the activations stay warm; the per-layer time is the stack's over the copies. A lone call after the other
@@ -99,16 +104,22 @@ QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
 
 # --------------------------------------------------------------------------------------------------- timing
 
-def read_bandwidth(a: torch.Tensor, tries: int = 5) -> float:
-    """Streaming-read reference in GB/s: best of `tries` torch.sum over `a`, a float32 tensor far larger than
-    the caches (one pass, no writes: bandwidth-bound on a few threads)."""
-    a.sum()  # warm up
+def read_probe(buffer: torch.Tensor, way: str) -> Callable[[], int]:
+    """One read of `buffer` (uint8, far larger than the caches) the probe's `way`, on torch's threads."""
+    return lambda: torch.ops.w8a8_cpu._read_probe(buffer, way)
+
+
+def read_bandwidth(buffer: torch.Tensor, tries: int = 5) -> float:
+    """The read limit in GB/s: best of `tries` reads of `buffer` each of the probe's ways."""
     best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.numel() * 4 / best / 1e9
+    for way in READ_WAYS:
+        read = read_probe(buffer, way)
+        read()  # warm up
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            read()
+            best = min(best, time.perf_counter() - t0)
+    return buffer.numel() / best / 1e9
 
 
 # --------------------------------------------------------------------------------------------------- linear
@@ -243,7 +254,7 @@ def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[
                      weight_bytes: Dict[str, int], bw_ref: Optional[float], read_bytes: int,
                      errors: Dict[str, float], stack_copies: int) -> dict:
     samples = dict(samples)
-    read_samples = samples.pop(READ, None)
+    read_samples = {cand: samples.pop(cand) for cand in READS if cand in samples}
     results = {}
     for cand, s in samples.items():
         sec = statistics.median(s) / (stack_copies if cand in STACKS else 1)  # a stack: per layer
@@ -254,11 +265,15 @@ def summarize_linear(name: str, n: int, k: int, m: int, samples: Dict[str, List[
     ratios = {cand: r["ms"] / ours for cand, r in results.items() if cand != OURS and cand not in STACKS}
     case = {"shape": name, "role": SHAPE_ROLES.get(name, ""), "m": m, "n": n, "k": k,
             "phase": phase_of(m), "results": results, "speedup": ratios}
-    if read_samples:  # the read reference timed in the same rounds as the candidates
-        case["read_gbs"] = read_bytes / statistics.median(read_samples) / 1e9
+    if read_samples:  # the read probe timed in the same rounds as the candidates
+        reads = {cand: read_bytes / statistics.median(s) / 1e9 for cand, s in read_samples.items()}
+        case["read_gbs"], case["read_way"] = max((gbs, cand) for cand, gbs in reads.items())
+        peers = {cand: r["weight_gbs"] for cand, r in results.items() if cand in PEERS}
+        case["limit_gbs"], case["limit_source"] = max([(case["read_gbs"], case["read_way"])] +
+                                                      [(gbs, cand) for cand, gbs in peers.items()])
     if STACK in results:
         case["stack_copies"] = stack_copies
-    bw = case.get("read_gbs", bw_ref)
+    bw = case.get("limit_gbs", bw_ref)
     if bw:
         for key, cand in (("decode_efficiency", OURS), ("w4a8_decode_efficiency", W4A8),
                           ("stack_decode_efficiency", STACK), ("w4a8_stack_decode_efficiency", W4A8_STACK)):
@@ -343,8 +358,9 @@ def print_linear(case: dict) -> None:
         eff = (f", decode efficiency {case['decode_efficiency'] * 100:.0f}% (W4A8 "
                f"{case.get('w4a8_decode_efficiency', float('nan')) * 100:.0f}%), in a stack of "
                f"{case['stack_copies']} layers {case['stack_decode_efficiency'] * 100:.0f}% (W4A8 "
-               f"{case['w4a8_stack_decode_efficiency'] * 100:.0f}%) of the same rounds' read bw "
-               f"({case['read_gbs']:.2f} GB/s)")
+               f"{case['w4a8_stack_decode_efficiency'] * 100:.0f}%) of the same rounds' read limit "
+               f"({case['limit_gbs']:.2f} GB/s: {case['limit_source']}; best read {case['read_gbs']:.2f} GB/s, "
+               f"{case['read_way']})")
     print(f"{case['phase']} M={case['m']:<4} N={case['n']} K={case['k']} ({case['role']}){eff}")
     for cand, r in case["results"].items():
         ratio = ("" if cand == OURS else "  (per layer)" if cand in STACKS
@@ -538,8 +554,8 @@ def run_once(args, plan: Plan) -> dict:
     progress = Progress(len(plan.linear_shapes) * len(plan.ms) + len(plan.moe_cases) + 3,
                         enabled=not args.no_progress)
     bw_mib = 64 if args.quick else 256
-    read_ref = torch.ones(bw_mib * (1 << 20) // 4, dtype=torch.float32)
-    read_bytes = read_ref.numel() * 4
+    read_ref = torch.ones(bw_mib << 20, dtype=torch.uint8)
+    read_bytes = read_ref.numel()
     bw_samples = [read_bandwidth(read_ref, 3 if args.quick else 5)]
     progress.step("read bandwidth")
     gen = torch.Generator().manual_seed(0)
@@ -547,7 +563,7 @@ def run_once(args, plan: Plan) -> dict:
     result = {"version": w8a8_cpu.__version__, "info": info, "threads": threads, "torch_ao_engine": engine,
               "reps": reps, "warmup": warmup, "quick": bool(args.quick), "w4a8_group_size": args.w4a8_group_size,
               "linear": [], "moe": [],
-              "read_bandwidth_method": f"best of torch.sum over a {bw_mib} MiB float32 tensor"}
+              "read_bandwidth_method": f"best read of a {bw_mib} MiB buffer ({', '.join(READ_WAYS)})"}
     linear_out: List[tuple] = []
     has_decode = any(phase_of(m) == "decode" for m in plan.ms)
     stack_mib = (QUICK_STACK_MIB if args.quick else STACK_MIB) if has_decode else 0  # no decode case, no stack
@@ -558,7 +574,7 @@ def run_once(args, plan: Plan) -> dict:
             progress.step(f"linear {shape} M={m}")
             candidates, rel_errors = make(m)
             if phase_of(m) == "decode":
-                candidates[READ] = read_ref.sum
+                candidates.update({cand: read_probe(read_ref, way) for cand, way in zip(READS, READ_WAYS)})
             linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes, rel_errors,
                                copies))
         del make
@@ -578,7 +594,7 @@ def run_once(args, plan: Plan) -> dict:
     result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, read_bytes, err, copies)
                         for s, n, k, m, smp, wb, err, copies in linear_out]
     result["unavailable"] = errors
-    print(f"streaming-read reference: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "
+    print(f"read limit: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "
           f"{', '.join(f'{b:.2f}' for b in bw_samples)})")
     for cand, err in errors.items():
         print(f"  ({cand} unavailable: {err})")

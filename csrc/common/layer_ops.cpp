@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "activation.h"
+#include "gemm_driver.h"
 
 namespace w8a8_cpu {
 
@@ -58,10 +60,56 @@ void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* 
   }
 }
 
-void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
-                         int64_t d, float scale, float* scores, float* out) {
-  (kernel.attend_one_position ? kernel.attend_one_position : attend_one_position_row)(q, k, v, keys, d, scale, scores,
-                                                                                     out);
+int64_t decode_attention_scratch_floats(int64_t heads, int64_t keys, int64_t d) {
+  const int64_t blocks = (keys + kDecodeKeyBlock - 1) / kDecodeKeyBlock;
+  return heads * blocks * (d + 2);
+}
+
+// Multiply-adds (keys x head_dim) per region of the decode attention below which it runs on the calling thread
+// (at::parallel_for's start costs more than their arithmetic).
+constexpr int64_t kDecodeAttentionGrain = 1 << 15;
+
+void decode_attention(const MicroKernel& kernel, const float* q, int64_t heads, const KvRows& cache, int64_t kv_heads,
+                      int64_t length, int64_t keys, int64_t d, float scale, float* scratch, float* out,
+                      const ParallelFor& parallel_for) {
+  const auto attend_block = kernel.attend_key_block ? kernel.attend_key_block : attend_key_block_row;
+  const int64_t group = heads / kv_heads, blocks = (keys + kDecodeKeyBlock - 1) / kDecodeKeyBlock;
+  // head h's block b: o at partials[(h * blocks + b) * d], m and l at maxes / sums[h * blocks + b]
+  float* partials = scratch;
+  float* maxes = partials + heads * blocks * d;
+  float* sums = maxes + heads * blocks;
+  const int64_t task_work = std::min(keys, kDecodeKeyBlock) * d * group;
+  parallel_for(0, kv_heads * blocks, std::max<int64_t>(1, kDecodeAttentionGrain / task_work), [&](int64_t t0,
+                                                                                                  int64_t t1) {
+    alignas(64) float query[kMaxHeadDim];
+    alignas(64) float scores[kDecodeKeyBlock];
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t g = task / blocks, b = task % blocks, j0 = b * kDecodeKeyBlock;
+      const KvRows rows = kv_rows_from(cache, g * length + j0, d);
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t e = 0; e < d; ++e) query[e] = q[h * d + e] * scale;
+        const int64_t slot = h * blocks + b;
+        sums[slot] = attend_block(query, rows, std::min(kDecodeKeyBlock, keys - j0), d, scores, partials + slot * d,
+                                  maxes + slot);
+      }
+    }
+  });
+  parallel_for(0, heads, std::max<int64_t>(1, kDecodeAttentionGrain / (blocks * d)), [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      combine_key_blocks(partials + h * blocks * d, maxes + h * blocks, sums + h * blocks, blocks, d, out + h * d);
+  });
+}
+
+void store_kv_row(const MicroKernel& kernel, const float* x, int64_t d, KvKind kind, void* rows, float* scales,
+                  int64_t j) {
+  void* row = static_cast<char*>(rows) + j * d * kv_element_bytes(kind);
+  if (kind == KvKind::f32) {
+    std::memcpy(row, x, static_cast<size_t>(d) * 4);
+  } else if (kind == KvKind::f16) {
+    store_row_from_float(row, FloatKind::f16, x, d);
+  } else {
+    quantize_rows(kernel, x, FloatKind::f32, 1, d, d, static_cast<int8_t*>(row), d, scales + j, serial_for);
+  }
 }
 
 float softmax_numerators(const MicroKernel& kernel, float* s, int64_t len, int64_t n) {

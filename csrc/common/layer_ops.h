@@ -1,5 +1,5 @@
 // The small float operations of a decoder layer that sit between its GEMMs: RMSNorm (with the residual add before it),
-// rotary position embedding, and the dispatch of the prompt attention's softmax. A model runs them on every layer of
+// rotary position embedding, the dispatch of the prompt attention's softmax, and the decode attention over the KV cache. A model runs them on every layer of
 // every token; as separate torch ops they were ~10% of SmolLM2's prefill and a Python dispatch each per decode step.
 // Plain C++ on rows of fp32/bf16/fp16 elements, computed in fp32 in a fixed operation order (no FMA contraction: see
 // CMakeLists), one rounding to the element type at the end.
@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "microkernel.h"
+#include "parallel.h"
 
 namespace w8a8_cpu {
 
@@ -27,14 +28,26 @@ void rms_norm_row(const void* x, const void* delta, void* sum_out, FloatKind kin
 // d even, <= kMaxHeadDim).
 void rotary_row(void* x, FloatKind kind, int64_t heads, int64_t d, const float* cos, const float* sin);
 
-// One query head's attention at one decode position: out[0, d) = sum over keys j < keys of p_j * v[j], with
-// p = softmax(scale * q . k[j]) (rows of k and v d floats apart; 1 <= keys, d <= kMaxHeadDim; scores: `keys` floats
-// of scratch). The dot products in lane_dot's fixed order, the softmax as the prompt attention's (softmax_numerators:
-// a non-finite score makes the head's output NaN), the weighted sum in key order divided by the numerators' sum: the
-// same bits on every thread, in the kernel's ISA where it has a copy (activation.h's attend_one_position_row). out
-// must not overlap q, k, v or scores.
-void attend_one_position(const MicroKernel& kernel, const float* q, const float* k, const float* v, int64_t keys,
-                         int64_t d, float scale, float* scores, float* out);
+// Scratch floats decode_attention needs for `heads` query heads over `keys` keys of head_dim d.
+int64_t decode_attention_scratch_floats(int64_t heads, int64_t keys, int64_t d);
+
+// The attention of one decode position: out [heads][d] = per query head h, softmax(scale q_h . k_j) weighting v_j over
+// the cache's keys j < keys of KV head h / (heads / kv_heads) (grouped-query attention), by activation.h's rule (keys
+// in blocks of kDecodeKeyBlock, combined in block order), in the kernel's ISA where it has a copy: the same bits on
+// every variant and thread count. q [heads][d] (unscaled); KV head g's rows at kv_rows_from(cache, g * length, d)
+// (length >= keys: the cache's positions); 1 <= keys, d <= kMaxHeadDim. The work is split over (KV head, key block)
+// tasks, the query heads of a KV head sharing its block's reads. scratch: decode_attention_scratch_floats floats; out
+// must not overlap q, the cache or scratch.
+void decode_attention(const MicroKernel& kernel, const float* q, int64_t heads, const KvRows& cache, int64_t kv_heads,
+                      int64_t length, int64_t keys, int64_t d, float scale, float* scratch, float* out,
+                      const ParallelFor& parallel_for);
+
+// Stores one cached row of d fp32 values at row j of rows of `kind` (rows d elements apart; int8: its scale at
+// scales[j]): fp32 as is, fp16 rounded to nearest even (Inf past its range), int8 by quantize_rows' rule (per token
+// and head: scale = max|x| / 127, q = round_half_even(x * 127 / max|x|); zeros for a zero row; scale NaN and q = 0
+// for a row holding NaN or Inf).
+void store_kv_row(const MicroKernel& kernel, const float* x, int64_t d, KvKind kind, void* rows, float* scales,
+                  int64_t j);
 
 // activation.h's softmax_numerators_row on one row of attention scores (returns their sum), in the kernel's ISA where
 // it has a copy (the same bits either way).

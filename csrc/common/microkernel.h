@@ -33,6 +33,10 @@ constexpr int kMaxTileInt32 = 1024;
 // Largest attention head (MicroKernel::attend_one_position, the rotary embedding): head sizes of today's LLMs are
 // <= 256; an fp32 copy of a head lives on the stack (4 KiB).
 constexpr int64_t kMaxHeadDim = 1024;
+// Keys of one block of the decode attention (activation.h: its rule): a fixed partition of the cache, whatever the
+// thread count; a block's scores live on the stack (1 KiB), its int8 keys in L1 (16 KiB at head_dim 64) while the
+// query heads that share them read them.
+constexpr int64_t kDecodeKeyBlock = 256;
 // Most rows of A a two-panel decode tile takes (MicroKernel::two_panel_rows).
 constexpr int kTwoPanelMaxRows = 2;
 
@@ -53,6 +57,29 @@ struct Int4Groups {
 };
 // Bytes of one stored group scale: the one place the storage's width is stated (sizes, packing, the tiles' streams).
 static constexpr int64_t int4_scale_bytes(bool half_scales) { return half_scales ? 2 : 4; }
+
+// How a cached row is stored (the Decoder's kv_cache): fp32, fp16, or int8 with one fp32 scale a row (a token's head,
+// quantized by per_token_quant_int8's rule: gemm_driver.h's quantize_rows).
+enum class KvKind : int { f32 = 0, f16 = 1, i8 = 2 };
+
+// One KV head's cached keys and values from some position on: rows of d elements of `kind`, row j at j * d; int8:
+// row j's scales at k_scale[j] and v_scale[j] (null otherwise).
+struct KvRows {
+  const void* k;
+  const void* v;
+  const float* k_scale;
+  const float* v_scale;
+  KvKind kind;
+};
+
+// Bytes of a cached element; the rows of `rows` from row j on (d elements a row). `static`, as element_bytes below.
+static inline int64_t kv_element_bytes(KvKind kind) { return kind == KvKind::f32 ? 4 : kind == KvKind::f16 ? 2 : 1; }
+static inline KvRows kv_rows_from(const KvRows& rows, int64_t j, int64_t d) {
+  const int64_t bytes = j * d * kv_element_bytes(rows.kind);
+  const bool scaled = rows.kind == KvKind::i8;
+  return {static_cast<const char*>(rows.k) + bytes, static_cast<const char*>(rows.v) + bytes,
+          scaled ? rows.k_scale + j : nullptr, scaled ? rows.v_scale + j : nullptr, rows.kind};
+}
 
 struct MicroKernel {
   const char* name;            // "ref", "avx2", "avx512_vnni", ...
@@ -102,11 +129,11 @@ struct MicroKernel {
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   float (*softmax_numerators)(float* s, int64_t len, int64_t n) = nullptr;
-  // Optional: activation.h's attend_one_position_row (one query head at one decode position; d <= kMaxHeadDim) in the
-  // variant's ISA, or a copy of it that reorders nothing but the independent work (x86_common.h's
-  // attend_one_position_x86): likewise the same bits.
-  void (*attend_one_position)(const float* q, const float* k, const float* v, int64_t keys, int64_t d, float scale,
-                              float* scores, float* out) = nullptr;
+  // Optional: activation.h's attend_key_block_row (one query head over one block of the decode attention's keys) in
+  // the variant's ISA, or a copy of it that reorders nothing but the independent work (x86_common.h's
+  // attend_key_block_x86): likewise the same bits.
+  float (*attend_key_block)(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                            float* out, float* max) = nullptr;
 
   // Optional: epilogue.h's scale_tile compiled in the variant's TU, with its ISA (null: the driver's copy). The same
   // bits either way.

@@ -167,7 +167,7 @@ const MicroKernel kAvx512VnniKernel = {
     vnni_int4_tile,
     silu_mul_row,
     softmax_numerators_row,
-    attend_one_position_x86,
+    attend_key_block_x86,
     scale_tile,
 };
 

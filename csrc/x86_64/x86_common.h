@@ -1,5 +1,6 @@
-// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the decode attention,
-// and the AVX2 per-token quantization (defined in avx2.cpp; every x86 variant requires AVX2).
+// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the decode attention's
+// key blocks (fp32, fp16 and int8 caches), and the AVX2 per-token quantization (defined in avx2.cpp; every x86 variant
+// requires AVX2).
 #pragma once
 
 #include <immintrin.h>
@@ -113,29 +114,40 @@ inline void transpose8x8(__m256 r[8]) {
   }
 }
 
-// activation.h's attend_one_position_row (the contract, and its bits: every operation below is one of it, in its
-// order), restructured for AVX2. The row's two loops are latency chains: each key's lane_dot ends in 16 scalar adds
-// one after another, and out[e] += p v[j][e] goes through memory for every key (out may alias v). Here 8 keys' 16 lane
-// sums are transposed so that one vector add does the same step of all 8 sums, and the weighted values accumulate in
-// registers, 64 dims at a time over tiles of kValueTile keys (a tile's values stay in L1/L2 for the next 64 dims).
-// decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache): ~1.6x the row's speed at 1024
-// keys, ~1.8x at 2048 (at 128, within the VM's noise). Head dims not a multiple of 16: the row. out must not overlap
-// q, k, v or scores (layer_ops.h's contract).
-inline void attend_one_position_x86(const float* q, const float* k, const float* v, int64_t keys, int64_t d,
-                                    float scale, float* scores, float* out) {
-  if (d % 16 != 0) return attend_one_position_row(q, k, v, keys, d, scale, scores, out);
-  alignas(32) float query[kMaxHeadDim];
-  for (int64_t e = 0; e < d; ++e) query[e] = q[e] * scale;
+// Elements [i, i + 8) of a cached row of `Kind` as fp32 (exact: F16C's widening, int8 through int32).
+template <KvKind Kind>
+inline __m256 load_kv8(const void* row, int64_t i) {
+  if constexpr (Kind == KvKind::f32) return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+  if constexpr (Kind == KvKind::f16)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
+  if constexpr (Kind == KvKind::i8)
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + i))));
+}
+
+// activation.h's attend_key_block_row (the rule, and its bits: every operation below is one of it, in its order),
+// restructured for AVX2. The row's two loops are latency chains: each key's lane_dot ends in 16 scalar adds one after
+// another, and o[e] += w v[j][e] goes through memory for every key. Here 8 keys' 16 lane sums are transposed so that
+// one vector add does the same step of all 8 sums (then one product by their 8 scales for int8), and the weighted
+// values accumulate in registers, 64 dims at a time over tiles of kValueTile keys (a tile's values stay in L1 for the
+// next 64 dims). fp32 rows: decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache)
+// ~1.6x the row's speed at 1024 keys, ~1.8x at 2048. Head dims not a multiple of 16: the row.
+template <KvKind Kind>
+inline float attend_key_block_x86_kind(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                                       float* out, float* max) {
+  const int64_t row_bytes = d * kv_element_bytes(Kind);
+  const char* k = static_cast<const char*>(rows.k);
+  const char* v = static_cast<const char*>(rows.v);
   int64_t j = 0;
   for (; j + 8 <= keys; j += 8) {
     __m256 low[8], high[8];  // lane_dot's lanes 0-7 and 8-15 of key j + t
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const float* key = k + (j + t) * d;
+      const char* key = k + (j + t) * row_bytes;
       __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
       for (int64_t i = 0; i < d; i += 16) {
-        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_load_ps(query + i), _mm256_loadu_ps(key + i)));
-        b = _mm256_add_ps(b, _mm256_mul_ps(_mm256_load_ps(query + i + 8), _mm256_loadu_ps(key + i + 8)));
+        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(query + i), load_kv8<Kind>(key, i)));
+        b = _mm256_add_ps(b, _mm256_mul_ps(_mm256_loadu_ps(query + i + 8), load_kv8<Kind>(key, i + 8)));
       }
       low[t] = a, high[t] = b;
     }
@@ -146,10 +158,11 @@ inline void attend_one_position_x86(const float* q, const float* k, const float*
     for (int l = 0; l < 8; ++l) sum = _mm256_add_ps(sum, low[l]);
 #pragma GCC unroll 8
     for (int l = 0; l < 8; ++l) sum = _mm256_add_ps(sum, high[l]);
+    if constexpr (Kind == KvKind::i8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(rows.k_scale + j));
     _mm256_storeu_ps(scores + j, sum);
   }
-  for (; j < keys; ++j) scores[j] = lane_dot(query, k + j * d, d);
-  const float inv = 1.f / softmax_numerators_row(scores, keys, keys);
+  for (; j < keys; ++j) scores[j] = key_score<Kind>(query, rows, j, d);
+  const float total = softmax_numerators_with_max(scores, keys, keys, max);
   constexpr int64_t kValueTile = 128;
   for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {
     const int64_t j1 = std::min(keys, j0 + kValueTile);
@@ -160,10 +173,10 @@ inline void attend_one_position_x86(const float* q, const float* k, const float*
         acc[b] = j0 == 0 || b >= vectors ? _mm256_setzero_ps() : _mm256_loadu_ps(out + e0 + b * 8);
       auto accumulate = [&](auto all_eight) {
         for (int64_t key = j0; key < j1; ++key) {
-          const __m256 p = _mm256_broadcast_ss(scores + key);
-          const float* value = v + key * d + e0;
+          const __m256 w = _mm256_set1_ps(value_weight<Kind>(scores[key], rows, key));
+          const char* value = v + key * row_bytes;
           for (int b = 0; b < (all_eight ? 8 : vectors); ++b)
-            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(p, _mm256_loadu_ps(value + b * 8)));
+            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(w, load_kv8<Kind>(value, e0 + b * 8)));
         }
       };
       if (vectors == 8)
@@ -173,7 +186,18 @@ inline void attend_one_position_x86(const float* q, const float* k, const float*
       for (int b = 0; b < vectors; ++b) _mm256_storeu_ps(out + e0 + b * 8, acc[b]);
     }
   }
-  for (int64_t e = 0; e < d; ++e) out[e] *= inv;
+  return total;
+}
+
+// MicroKernel::attend_key_block of the x86 variants.
+inline float attend_key_block_x86(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                                  float* out, float* max) {
+  if (d % 16 != 0) return attend_key_block_row(query, rows, keys, d, scores, out, max);
+  float total = 0.f;
+  with_kv_kind(rows.kind, [&](auto kind) {
+    total = attend_key_block_x86_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
+  });
+  return total;
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "cpu_features.h"
@@ -443,46 +444,109 @@ void test_silu_mul_bits(const MicroKernel& kern, uint64_t seed) {
   }
 }
 
-// The decode attention of one head in the variant's copy (MicroKernel::attend_one_position): the baseline copy's bits,
-// within 1e-5 of the fp64 attention, NaN out for a NaN or Inf key.
-void test_attend_one_position_bits(const MicroKernel& kern, uint64_t seed) {
+// A ParallelFor over `threads` real threads, the range split in equal shares.
+ParallelFor threaded_for(int threads) {
+  return ParallelFor(
+      [threads](int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& body) {
+        std::vector<std::thread> workers;
+        const int64_t share = (end - begin + threads - 1) / threads;
+        for (int64_t b = begin; b < end; b += share) workers.emplace_back(body, b, std::min(end, b + share));
+        for (auto& t : workers) t.join();
+      },
+      threads);
+}
+
+// The decode attention (decode_attention: key blocks, their combine, the variant's copy of a block) over fp32, fp16
+// and int8 caches stored by store_kv_row: the reference's bits in every variant and at 1, 2 and 3 threads, within 1e-5
+// of the fp64 attention over the values as stored (an int8 row: q * scale), NaN out for the KV head of an Inf key (an
+// int8 row holding Inf: scale NaN), an all-zero int8 row stored as zeros.
+void test_decode_attention_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  // keys around the x86 copy's blocks of 8 and value tiles of 128; d: multiples of 16 (its vector path: 2, 4, 6 or 8
-  // vectors in the last block of 64 dims) and others (the row's); every array 4 bytes into its allocation, as a
-  // tensor's data may be
-  for (const int64_t keys : {1, 7, 8, 9, 16, 33, 128, 129, 300, 1031})
-    for (const int64_t d : {2, 16, 32, 48, 64, 70, 80, 96, 128, 1024}) {
-      std::vector<float> q_(d + 1), k_(keys * d + 1), v_(keys * d + 1), scores_(keys + 1), want(d), got_(d + 1);
-      float *q = q_.data() + 1, *k = k_.data() + 1, *v = v_.data() + 1, *scores = scores_.data() + 1,
-            *got = got_.data() + 1;
-      for (float* x : {q, k, v})
-        for (int64_t i = 0; i < (x == q ? d : keys * d); ++i) x[i] = nd(rng);
-      const float scale = 1.f / std::sqrt(static_cast<float>(d));
-      attend_one_position(kRefKernel, q, k, v, keys, d, scale, scores, want.data());
-      attend_one_position(kern, q, k, v, keys, d, scale, scores, got);
-      CHECK(std::memcmp(want.data(), got, d * 4) == 0, "%s: attend_one_position differs from the reference's "
-            "(keys = %lld, d = %lld)", kern.name, static_cast<long long>(keys), static_cast<long long>(d));
-      std::vector<double> p(keys);
-      double max = -1e300, sum = 0, worst = 0;
-      for (int64_t j = 0; j < keys; ++j) {
-        for (int64_t e = 0; e < d; ++e) p[j] += static_cast<double>(q[e]) * k[j * d + e];
-        p[j] *= scale, max = std::max(max, p[j]);
+  const int64_t heads = 6, kv_heads = 2, group = heads / kv_heads;
+  int64_t cases = 0;
+  // keys around the x86 copy's blocks of 8, its value tiles of 128 and the key blocks of 256; d: multiples of 16 (the
+  // vector path: 2, 4, 6 or 8 vectors in the last 64 dims) and others (the row's); the cache longer than the keys read;
+  // every array 4 bytes into its allocation, as a tensor's data may be
+  for (const KvKind kind : {KvKind::f32, KvKind::f16, KvKind::i8})
+    for (const int64_t keys : {1, 7, 9, 129, 256, 257, 700})
+      for (const int64_t d : {2, 16, 48, 64, 70, 128}) {
+        const int64_t length = keys + 3, rows = kv_heads * length, bytes = kv_element_bytes(kind);
+        std::vector<float> q_(heads * d + 1), x(rows * d), k_scale_(rows + 1), v_scale_(rows + 1);
+        std::vector<uint8_t> k_(rows * d * bytes + 4), v_(rows * d * bytes + 4);
+        float *q = q_.data() + 1, *k_scale = k_scale_.data() + 1, *v_scale = v_scale_.data() + 1;
+        for (int64_t i = 0; i < heads * d; ++i) q[i] = nd(rng);
+        std::vector<double> stored_k(rows * d), stored_v(rows * d);
+        for (auto [cache, scales, stored] : {std::tuple{k_.data() + 4, k_scale, &stored_k},
+                                             std::tuple{v_.data() + 4, v_scale, &stored_v}}) {
+          for (float& v : x) v = nd(rng);
+          std::fill(x.begin() + 5 * d, x.begin() + 6 * d, 0.f);  // row 5 (head 0 or 1) all zeros
+          for (int64_t r = 0; r < rows; ++r) store_kv_row(kern, x.data() + r * d, d, kind, cache, scales, r);
+          for (int64_t i = 0; i < rows * d; ++i) {  // the values as stored, in fp64
+            const uint8_t* at = cache + i * bytes;
+            if (kind == KvKind::f32) {
+              float f32;
+              std::memcpy(&f32, at, 4);
+              (*stored)[i] = f32;
+            } else if (kind == KvKind::f16) {
+              uint16_t f16;
+              std::memcpy(&f16, at, 2);
+              (*stored)[i] = f16_bits_to_float(f16);
+            } else {
+              (*stored)[i] = static_cast<int8_t>(*at) * static_cast<double>(scales[i / d]);
+            }
+          }
+          if (kind == KvKind::i8)
+            CHECK(std::all_of(cache + 5 * d, cache + 6 * d, [](uint8_t b) { return b == 0; }),
+                  "store_kv_row: an all-zero int8 row is not stored as zeros");
+        }
+        const KvRows cache{k_.data() + 4, v_.data() + 4, kind == KvKind::i8 ? k_scale : nullptr,
+                           kind == KvKind::i8 ? v_scale : nullptr, kind};
+        const float scale = 1.f / std::sqrt(static_cast<float>(d));
+        std::vector<float> scratch(decode_attention_scratch_floats(heads, keys, d)), want(heads * d),
+            got_(heads * d + 1);
+        float* got = got_.data() + 1;
+        decode_attention(kRefKernel, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), want.data(),
+                         serial_for);
+        for (const int threads : {1, 2, 3}) {
+          decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
+                           threads == 1 ? ParallelFor(serial_for) : threaded_for(threads));
+          CHECK(std::memcmp(want.data(), got, heads * d * 4) == 0, "%s: decode_attention differs from the "
+                "reference's (kind %d, keys = %lld, d = %lld, %d threads)", kern.name, static_cast<int>(kind),
+                static_cast<long long>(keys), static_cast<long long>(d), threads);
+        }
+        double worst = 0;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t g = h / group;
+          std::vector<double> p(keys);
+          double max = -1e300, sum = 0;
+          for (int64_t j = 0; j < keys; ++j) {
+            for (int64_t e = 0; e < d; ++e) p[j] += static_cast<double>(q[h * d + e]) * stored_k[(g * length + j) * d + e];
+            p[j] *= scale, max = std::max(max, p[j]);
+          }
+          for (double& v : p) sum += (v = std::exp(v - max));
+          for (int64_t e = 0; e < d; ++e) {
+            double exact = 0;
+            for (int64_t j = 0; j < keys; ++j) exact += p[j] / sum * stored_v[(g * length + j) * d + e];
+            worst = std::max(worst, std::fabs(got[h * d + e] - exact));
+          }
+        }
+        CHECK(worst < 1e-5, "%s: decode_attention off by %g from the fp64 attention (kind %d, keys = %lld, d = %lld)",
+              kern.name, worst, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
+        // an Inf in KV head 1's last key read: its query heads NaN, head 0's untouched
+        std::vector<float> poisoned(d, 1.f);
+        poisoned[d - 1] = std::numeric_limits<float>::infinity();
+        store_kv_row(kern, poisoned.data(), d, kind, k_.data() + 4, k_scale, length + keys - 1);
+        decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
+                         threaded_for(2));
+        CHECK(std::all_of(got + group * d, got + heads * d, [](float v) { return std::isnan(v); }) &&
+                  std::memcmp(got, want.data(), group * d * 4) == 0,
+              "%s: decode_attention with an Inf key is not NaN in its KV head alone (kind %d, keys = %lld, d = %lld)",
+              kern.name, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
+        ++cases;
       }
-      for (double& x : p) sum += (x = std::exp(x - max));
-      for (int64_t e = 0; e < d; ++e) {
-        double exact = 0;
-        for (int64_t j = 0; j < keys; ++j) exact += p[j] / sum * v[j * d + e];
-        worst = std::max(worst, std::fabs(got[e] - exact));
-      }
-      CHECK(worst < 1e-5, "%s: attend_one_position off by %g from the fp64 attention (keys = %lld, d = %lld)",
-            kern.name, worst, static_cast<long long>(keys), static_cast<long long>(d));
-      k[(keys - 1) * d] = std::numeric_limits<float>::infinity();
-      attend_one_position(kern, q, k, v, keys, d, scale, scores, got);
-      CHECK(std::all_of(got, got + d, [](float x) { return std::isnan(x); }),
-            "%s: attend_one_position with an Inf key is not NaN (keys = %lld, d = %lld)", kern.name,
-            static_cast<long long>(keys), static_cast<long long>(d));
-    }
+  std::printf("  %-12s decode attention, fp32 / fp16 / int8 caches, 1-3 threads: %" PRId64 " cases\n", kern.name,
+              cases);
 }
 
 // The causal softmax's numerators of attention scores through the kernel (its ISA's copy of activation.h, when it
@@ -638,14 +702,7 @@ void count_enter() { ++t_entered, ++g_enter_calls; }
 void count_leave() { ++t_left, ++g_leave_calls; }
 
 void test_dynamic_for_threads_and_hooks() {
-  const ParallelFor four_threads(
-      [](int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& body) {
-        std::vector<std::thread> threads;
-        const int64_t share = (end - begin + 3) / 4;
-        for (int64_t b = begin; b < end; b += share) threads.emplace_back(body, b, std::min(end, b + share));
-        for (auto& t : threads) t.join();
-      },
-      4);
+  const ParallelFor four_threads = threaded_for(4);
   const int64_t count = 1000;
   std::vector<std::atomic<int>> hits(count);
   std::atomic<int> hook_errors{0};
@@ -928,7 +985,7 @@ int run(int argc, char** argv) {
     test_decode_claims_by_thread_count(*kern, seed);
     test_silu_mul_bits(*kern, seed);
     test_softmax_numerators_bits(*kern, seed);
-    test_attend_one_position_bits(*kern, seed);
+    test_decode_attention_bits(*kern, seed);
     test_packed_weight_rejections(*kern);
     fuzz_packed_weights(*kern, seed, 3000);
   }

@@ -88,6 +88,13 @@ const MicroKernel kDotprodKernel = {
     dotprod_tile,
     neon_row_absmax_bits,
     neon_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
+    /*a_excludes_int8_min=*/false,
+    /*int4_tile=*/nullptr,
+    /*silu_mul=*/nullptr,
+    /*softmax_numerators=*/nullptr,
+    neon_attend_key_block,
 };
 
 }  // namespace w8a8_cpu

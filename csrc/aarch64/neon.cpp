@@ -17,6 +17,7 @@
 
 #include <cstring>
 
+#include "../common/attention_vec4.h"
 #include "../common/cpu_features.h"
 #include "../common/ref_kernel.h"
 #include "neon_common.h"
@@ -114,6 +115,11 @@ void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale
   ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
+float neon_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                          float* out, float* max) {
+  return attend_key_block_vec4(query, rows, keys, d, scores, out, max);
+}
+
 extern const MicroKernel kNeonKernel;  // external linkage: the registry refers to it
 const MicroKernel kNeonKernel = {
     /*name=*/"neon",
@@ -124,6 +130,13 @@ const MicroKernel kNeonKernel = {
     neon_tile,
     neon_row_absmax_bits,
     neon_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
+    /*a_excludes_int8_min=*/false,
+    /*int4_tile=*/nullptr,
+    /*silu_mul=*/nullptr,
+    /*softmax_numerators=*/nullptr,
+    neon_attend_key_block,
 };
 
 }  // namespace w8a8_cpu

@@ -161,6 +161,13 @@ const MicroKernel kMmaKernel = {
     mma_tile,
     vsx_row_absmax_bits,
     vsx_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
+    /*a_excludes_int8_min=*/false,
+    /*int4_tile=*/nullptr,
+    /*silu_mul=*/nullptr,
+    /*softmax_numerators=*/nullptr,
+    vsx_attend_key_block,
 };
 
 }  // namespace w8a8_cpu

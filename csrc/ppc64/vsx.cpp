@@ -19,6 +19,7 @@
 
 #include <cstring>
 
+#include "../common/attention_vec4.h"
 #include "../common/cpu_features.h"
 #include "../common/ref_kernel.h"
 #include "vsx_common.h"
@@ -149,6 +150,11 @@ void vsx_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale,
   ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
+float vsx_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                          float* out, float* max) {
+  return attend_key_block_vec4(query, rows, keys, d, scores, out, max);
+}
+
 extern const MicroKernel kVsxKernel;  // external linkage: the registry refers to it
 const MicroKernel kVsxKernel = {
     /*name=*/"vsx",
@@ -159,6 +165,13 @@ const MicroKernel kVsxKernel = {
     vsx_tile,
     vsx_row_absmax_bits,
     vsx_quantize_row,
+    /*thread_enter=*/nullptr,
+    /*thread_leave=*/nullptr,
+    /*a_excludes_int8_min=*/false,
+    /*int4_tile=*/nullptr,
+    /*silu_mul=*/nullptr,
+    /*softmax_numerators=*/nullptr,
+    vsx_attend_key_block,
 };
 
 }  // namespace w8a8_cpu

@@ -1,5 +1,5 @@
-// The attention ops: causal_attention (a prompt's) and decode_attention_ (one decode position's, writing the KV
-// caches).
+// The attention ops: causal_attention (a prompt's) and decode_attention_ (one decode position's over a KV cache of
+// fp32, fp16 or int8 rows, writing the caches).
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 
@@ -14,6 +14,7 @@
 #include "binding_checks.h"
 #include "layer_ops.h"
 #include "registry.h"
+#include "scratch_buffer.h"
 #include "torch_ops.h"
 
 namespace w8a8_cpu {
@@ -102,33 +103,65 @@ at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const a
 
 namespace {
 
-// Work (key x head_dim multiply-adds) per task of decode_attention: a short cache's heads run on the calling thread
-// (at::parallel_for's start costs more than their arithmetic).
-constexpr int64_t kDecodeAttentionGrain = 1 << 15;
+// The KV cache's storage from a cache's dtype (fp32, fp16, int8: KvKind), naming arg otherwise.
+KvKind kv_kind(at::ScalarType dtype, const char* arg) {
+  if (dtype == at::kFloat) return KvKind::f32;
+  if (dtype == at::kHalf) return KvKind::f16;
+  TORCH_CHECK_VALUE(dtype == at::kChar, arg, ": dtype must be float32, float16 or int8 (the KV cache's storage), got ",
+                    dtype);
+  return KvKind::i8;
+}
 
 }  // namespace
 
-// One decode step's attention, the position after those cached: qkv [heads + 2 kv_heads, d] is this position's query
-// heads (rotated), key heads (rotated) and value heads, as the fused q/k/v GEMM and the rotary op leave them; k_cache and
-// v_cache [kv_heads, length, d]. Writes the key and value heads at `position` of the caches, then returns out
-// [heads, d]: per query head h, softmax(scale q_h . k[0..position]) v[0..position] of KV head h / (heads / kv_heads)
-// (grouped-query attention), attend_one_position's bits. One call instead of the cache writes, views and
+// One decode step's attention, the position after those cached: qkv [heads + 2 kv_heads, d] fp32 is this position's
+// query heads (rotated), key heads (rotated) and value heads, as the fused q/k/v GEMM and the rotary op leave them;
+// k_cache and v_cache [kv_heads, length, d] of fp32, fp16 or int8 (then k_scale and v_scale [kv_heads, length] fp32,
+// a row's scale). Stores the key and value heads at `position` of the caches (store_kv_row: fp16 rounded, int8 by the
+// per-token rule), then returns out [heads, d]: per query head h, softmax(scale q_h . k[0..position]) v[0..position]
+// of KV head h / (heads / kv_heads) (grouped-query attention) over the cache as stored, by decode_attention's rule
+// (layer_ops.h: the same bits whatever the variant or thread count). One call instead of the cache writes, views and
 // scaled_dot_product_attention of a Python step (~40 us a layer at SmolLM2's size, ~7% of its decode).
 at::Tensor decode_attention_op(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, int64_t position,
-                               int64_t heads, double scale) {
+                               int64_t heads, double scale, const c10::optional<at::Tensor>& k_scale,
+                               const c10::optional<at::Tensor>& v_scale) {
+  for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{qkv, "qkv"}, {k_cache, "k_cache"},
+                               {v_cache, "v_cache"}})
+    check_cpu(t, arg);
+  TORCH_CHECK_VALUE(qkv.scalar_type() == at::kFloat, "qkv: dtype must be float32, got ", qkv.scalar_type());
+  const KvKind kind = kv_kind(k_cache.scalar_type(), "k_cache");
+  TORCH_CHECK_VALUE(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache: expected the dtype of k_cache, ",
+                    k_cache.scalar_type(), ", got ", v_cache.scalar_type());
   for (const auto& [t, arg] : {std::pair<const at::Tensor&, const char*>{qkv, "qkv"}, {k_cache, "k_cache"},
                                {v_cache, "v_cache"}}) {
-    check_cpu(t, arg);
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, arg, ": dtype must be float32, got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() > 0, arg, ": expected a non-empty contiguous tensor, got shape ",
                       t.sizes(), " and strides ", t.strides());
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, arg, ": data must be aligned to 4 bytes");
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() == 0, arg,
+                      ": data must be aligned to its element size");
   }
   TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.size(2) <= kMaxHeadDim, "k_cache: expected [kv_heads, length, "
                     "head_dim] with head_dim <= ", kMaxHeadDim, ", got shape ", k_cache.sizes());
   TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), "v_cache: expected the shape of k_cache, ", k_cache.sizes(),
                     ", got ", v_cache.sizes());
   const int64_t kv_heads = k_cache.size(0), length = k_cache.size(1), d = k_cache.size(2);
+  const at::Tensor* written[5] = {&qkv, &k_cache, &v_cache};  // and the scales: none may overlap another
+  int operands = 3;
+  for (const auto& [t, arg] : {std::pair<const c10::optional<at::Tensor>&, const char*>{k_scale, "k_scale"},
+                               {v_scale, "v_scale"}}) {
+    TORCH_CHECK_VALUE(kind == KvKind::i8 || !t.has_value(), arg, ": only an int8 cache has scales, got one with a ",
+                      k_cache.scalar_type(), " cache");
+    if (kind != KvKind::i8) continue;
+    TORCH_CHECK_VALUE(t.has_value() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == kv_heads &&
+                          t->size(1) == length && t->is_contiguous(),
+                      arg, ": an int8 cache needs a contiguous float32 [", kv_heads, ", ", length,
+                      "] scale per row (kv_heads, length), got ",
+                      t.has_value() ? std::string(c10::toString(t->scalar_type())) + " of shape " +
+                                          c10::str(t->sizes())
+                                    : std::string("None"));
+    check_cpu(*t, arg);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0, arg, ": data must be aligned to 4 bytes");
+    written[operands++] = &*t;
+  }
   TORCH_CHECK_VALUE(heads >= 1 && heads % kv_heads == 0 && heads <= std::numeric_limits<int32_t>::max(),
                     "heads: expected a positive multiple of the caches' ", kv_heads, " KV heads, got ", heads);
   TORCH_CHECK_VALUE(qkv.dim() == 2 && qkv.size(0) == heads + 2 * kv_heads && qkv.size(1) == d, "qkv: expected [",
@@ -138,30 +171,26 @@ at::Tensor decode_attention_op(const at::Tensor& qkv, at::Tensor& k_cache, at::T
                     " (the caches' length), got ", position);
   TORCH_CHECK_VALUE(std::fabs(scale) <= std::numeric_limits<float>::max(), "scale: expected a finite float32 value, "
                     "got ", scale);
-  TORCH_CHECK_VALUE(at::get_overlap_status(k_cache, v_cache) == at::MemOverlapStatus::No &&
-                    at::get_overlap_status(qkv, k_cache) == at::MemOverlapStatus::No &&
-                    at::get_overlap_status(qkv, v_cache) == at::MemOverlapStatus::No,
-                    "k_cache, v_cache: must not overlap each other or qkv (the caches are written in place)");
+  for (int i = 0; i < operands; ++i)
+    for (int j = i + 1; j < operands; ++j)
+      TORCH_CHECK_VALUE(at::get_overlap_status(*written[i], *written[j]) == at::MemOverlapStatus::No,
+                        "k_cache, v_cache, k_scale, v_scale: must not overlap each other or qkv (the caches are "
+                        "written in place)");
   const float* rows = qkv.data_ptr<float>();
-  float* keys_of = k_cache.data_ptr<float>();
-  float* values_of = v_cache.data_ptr<float>();
-  const size_t head_bytes = static_cast<size_t>(d) * 4;
+  float* k_scales = kind == KvKind::i8 ? k_scale->data_ptr<float>() : nullptr;
+  float* v_scales = kind == KvKind::i8 ? v_scale->data_ptr<float>() : nullptr;
+  const MicroKernel& kernel = active_kernel();
   for (int64_t g = 0; g < kv_heads; ++g) {
-    std::memcpy(keys_of + (g * length + position) * d, rows + (heads + g) * d, head_bytes);
-    std::memcpy(values_of + (g * length + position) * d, rows + (heads + kv_heads + g) * d, head_bytes);
+    const int64_t row = g * length + position;
+    store_kv_row(kernel, rows + (heads + g) * d, d, kind, k_cache.data_ptr(), k_scales, row);
+    store_kv_row(kernel, rows + (heads + kv_heads + g) * d, d, kind, v_cache.data_ptr(), v_scales, row);
   }
   auto out = at::empty({heads, d}, qkv.options());
-  float* op = out.data_ptr<float>();
-  const int64_t keys = position + 1, group = heads / kv_heads;
-  const MicroKernel& kernel = active_kernel();
-  at::parallel_for(0, heads, std::max<int64_t>(1, kDecodeAttentionGrain / (keys * d)), [&](int64_t h0, int64_t h1) {
-    std::vector<float> scores(keys);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t g = h / group;
-      attend_one_position(kernel, rows + h * d, keys_of + g * length * d, values_of + g * length * d, keys, d,
-                          static_cast<float>(scale), scores.data(), op + h * d);
-    }
-  });
+  const int64_t keys = position + 1;
+  const at::Tensor scratch = scratch_buffer(decode_attention_scratch_floats(heads, keys, d) * 4);
+  const KvRows cache{k_cache.data_ptr(), v_cache.data_ptr(), k_scales, v_scales, kind};
+  decode_attention(kernel, rows, heads, cache, kv_heads, length, keys, d, static_cast<float>(scale),
+                   static_cast<float*>(scratch.data_ptr()), out.data_ptr<float>(), torch_parallel_for());
   return out;
 }
 

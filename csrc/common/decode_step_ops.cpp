@@ -2,6 +2,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <limits>
+#include <utility>
 
 #include "binding_checks.h"
 #include "gemm_ops.h"
@@ -31,10 +32,17 @@ enum DecodeStepWeight : int64_t {
 // gate/up GEMM, h += down_proj, x = the next norm of h. Returns the final norm's output (the lm_head's input).
 at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, at::TensorList k_caches,
                           at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t position,
-                          int64_t heads, double scale, double eps) {
+                          int64_t heads, double scale, double eps, c10::optional<at::TensorList> k_scales,
+                          c10::optional<at::TensorList> v_scales) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK_VALUE(layers >= 1 && static_cast<int64_t>(v_caches.size()) == layers,
                     "v_caches: expected one cache per layer of k_caches (", layers, "), got ", v_caches.size());
+  const at::TensorList no_scales;
+  const at::TensorList k_scale_list = k_scales.value_or(no_scales), v_scale_list = v_scales.value_or(no_scales);
+  for (const auto& [list, arg] : {std::pair<const at::TensorList&, const char*>{k_scale_list, "k_scales"},
+                                  {v_scale_list, "v_scales"}})
+    TORCH_CHECK_VALUE(list.empty() || static_cast<int64_t>(list.size()) == layers, arg,
+                      ": expected none or one per layer of k_caches (", layers, "), got ", list.size());
   TORCH_CHECK_VALUE(static_cast<int64_t>(weights.size()) == kWeightsPerLayer * layers + 1, "weights: expected ",
                     kWeightsPerLayer, " a layer (", layers, " layers) and the final norm's, ",
                     kWeightsPerLayer * layers + 1, " in all, got ", weights.size());
@@ -62,6 +70,15 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
     try {
       const int64_t w0 = layer * kWeightsPerLayer;
       at::Tensor k_cache = k_caches[layer], v_cache = v_caches[layer];
+      TORCH_CHECK_VALUE((k_cache.scalar_type() == at::kChar) == !k_scale_list.empty() &&
+                            (k_cache.scalar_type() == at::kChar) == !v_scale_list.empty(),
+                        "k_scales, v_scales: expected one per layer with int8 caches and none otherwise, got ",
+                        k_scale_list.size(), " and ", v_scale_list.size(), " with a ", k_cache.scalar_type(),
+                        " cache");
+      const c10::optional<at::Tensor> k_scale = k_scale_list.empty() ? c10::nullopt
+                                                                      : c10::optional<at::Tensor>(k_scale_list[layer]);
+      const c10::optional<at::Tensor> v_scale = v_scale_list.empty() ? c10::nullopt
+                                                                      : c10::optional<at::Tensor>(v_scale_list[layer]);
       // (kv_heads bounded before heads + kv_heads below; decode_attention_op checks the rest of both caches)
       TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.numel() > 0 &&
                             k_cache.size(0) <= std::numeric_limits<int32_t>::max() && k_cache.is_contiguous() &&
@@ -69,9 +86,10 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
                         "expected contiguous, non-empty caches [kv_heads, length, head_dim] (kv_heads < 2^31), got "
                         "k_cache of shape ", k_cache.sizes(), " and strides ", k_cache.strides());
       // h is updated in place while the caches are written: an h inside one would take the cache's writes
-      TORCH_CHECK_VALUE(at::get_overlap_status(h, k_cache) == at::MemOverlapStatus::No &&
-                            at::get_overlap_status(h, v_cache) == at::MemOverlapStatus::No,
-                        "h: overlaps the layer's k_cache or v_cache (written in place); pass a copy");
+      for (const c10::optional<at::Tensor>& cache : {c10::optional<at::Tensor>(k_cache),
+                                                     c10::optional<at::Tensor>(v_cache), k_scale, v_scale})
+        TORCH_CHECK_VALUE(!cache.has_value() || at::get_overlap_status(h, *cache) == at::MemOverlapStatus::No,
+                          "h: overlaps the layer's k_cache, v_cache or their scales (written in place); pass a copy");
       if (layer == 0) {
         part = "input norm";
         x = rms_norm_rows(h, nullptr, weight(kInputNorm), eps);
@@ -84,7 +102,8 @@ at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tenso
       part = "attention";
       const int64_t d = k_cache.size(2);
       TORCH_CHECK_VALUE(qkv.numel() % d == 0, "qkv: ", qkv.numel(), " outputs are not whole heads of ", d);
-      const at::Tensor attention = decode_attention_op(qkv.view({-1, d}), k_cache, v_cache, position, heads, scale);
+      const at::Tensor attention =
+          decode_attention_op(qkv.view({-1, d}), k_cache, v_cache, position, heads, scale, k_scale, v_scale);
       part = "o_proj";
       const at::Tensor out = quantized_linear(attention.view({1, -1}), weight(w0 + kOut), weight(w0 + kOutScale),
                                               bias(w0 + kOutBias), c10::nullopt, c10::nullopt, false);

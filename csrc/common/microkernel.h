@@ -30,7 +30,7 @@ constexpr int64_t kMaxK = (int64_t{1} << 17) - 1;
 // scratch, packing, each task), so it must return the same value for the life of the process.
 // The driver's int32 tile buffer (on the stack): mr * nr of any tile call fits it.
 constexpr int kMaxTileInt32 = 1024;
-// Largest attention head (MicroKernel::attend_one_position, the rotary embedding): head sizes of today's LLMs are
+// Largest attention head (MicroKernel::attend_key_block, the rotary embedding): head sizes of today's LLMs are
 // <= 256; an fp32 copy of a head lives on the stack (4 KiB).
 constexpr int64_t kMaxHeadDim = 1024;
 // Keys of one block of the decode attention (activation.h: its rule): a fixed partition of the cache, whatever the

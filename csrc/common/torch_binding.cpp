@@ -24,10 +24,11 @@ TORCH_LIBRARY(w8a8_cpu, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-  m.def("decode_attention_(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int position, int heads, float scale) "
-        "-> Tensor");
+  m.def("decode_attention_(Tensor qkv, Tensor(a!) k_cache, Tensor(b!) v_cache, int position, int heads, float scale, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
   m.def("decode_step_(Tensor(a!) h, Tensor?[] weights, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor cos, "
-        "Tensor sin, int position, int heads, float scale, float eps) -> Tensor");
+        "Tensor sin, int position, int heads, float scale, float eps, Tensor(d!)[]? k_scales=None, "
+        "Tensor(e!)[]? v_scales=None) -> Tensor");
   m.def("pack_weight(Tensor w) -> Tensor");
   m.def("pack_weight_int4(Tensor q, Tensor scale, Tensor? minimum=None, int group_size=0, bool half_scales=False) "
         "-> Tensor");

@@ -38,12 +38,14 @@ void rotary_embedding_op(at::Tensor& x, const at::Tensor& cos, const at::Tensor&
 // attention_ops.cpp
 at::Tensor causal_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
 at::Tensor decode_attention_op(const at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache, int64_t position,
-                               int64_t heads, double scale);
+                               int64_t heads, double scale, const c10::optional<at::Tensor>& k_scale,
+                               const c10::optional<at::Tensor>& v_scale);
 
 // decode_step_ops.cpp
 at::Tensor decode_step_op(at::Tensor& h, const c10::List<c10::optional<at::Tensor>>& weights, at::TensorList k_caches,
                           at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin, int64_t position,
-                          int64_t heads, double scale, double eps);
+                          int64_t heads, double scale, double eps, c10::optional<at::TensorList> k_scales,
+                          c10::optional<at::TensorList> v_scales);
 
 // moe_ops.cpp
 at::Tensor fused_experts_op(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,

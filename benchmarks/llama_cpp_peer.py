@@ -1,7 +1,8 @@
 """llama.cpp Q8_0 measured on this machine, in `python -m w8a8_cpu bench llm`'s units: issue #20's decode bar
 (bench llm itself only shows the issue's published 75 tok/s, since building llama.cpp takes ~25 min on 2 cores).
 
-    python benchmarks/llama_cpp_peer.py --bin DIR [--threads 1 2] [--rounds 5] [--ours BENCH_LLM.json] [--json FILE]
+    python benchmarks/llama_cpp_peer.py --bin DIR [--threads 1 2] [--rounds 5] [--kv-cache f16 q8_0] [--context N]
+                                        [--ours BENCH_LLM.json] [--json FILE]
 
 DIR: the bin folder of a llama.cpp build holding llama-bench and llama-quantize (how to build it from the llama.cpp
 sources on PyPI: benchmarks/README.md). The Q8_0 model is made once with llama-quantize from the GGUF file that
@@ -11,7 +12,11 @@ tokens (or those of --ours): decode = new tokens / time of the prompt's prefill 
 calls decode), generation only (llama-bench's tg), and prefill = time of bench llm's prefill tokens (512, or those of
 --ours); medians of --rounds runs after llama-bench's warm-up. --ours BENCH_LLM.json (a `bench llm --json` run,
 best made right before or after this one) adds our W8A8 fast path and CTranslate2 per thread count, and their
-ratios to llama.cpp.
+ratios to llama.cpp. --kv-cache: llama.cpp's KV cache types (llama-bench -ctk / -ctv, flash attention on for a
+quantized one, which needs it), a row each; f16 (the default) is llama.cpp's own default. --context N (or the context
+of a `bench llm --context N` result given to --ours): decode after N tokens of context, the prompt's prefill not
+counted, as bench llm --context times ours: llama-bench's generation at depth N (-d N), its rows beside every fast path
+row of --ours (fp32 / fp16 / int8 KV), their ratios to llama.cpp's default (f16 KV) row: issue 51's table.
 """
 from __future__ import annotations
 
@@ -26,7 +31,14 @@ from typing import Dict, List, Optional
 
 from w8a8_cpu.cli.options import output_file, positive_int
 
-FAST, CT2 = "W8A8 fast path", "CTranslate2 int8"  # bench llm's row names
+FAST, CT2 = "W8A8 fast path", "CTranslate2 int8"  # bench llm's row names (fast path rows: FAST, then ", KIND KV")
+KV_TYPES = ("f16", "q8_0", "f32")  # llama.cpp cache types offered here (-ctk / -ctv); f16: its default
+PEER = "llama.cpp Q8_0"
+
+
+def peer_name(kv_type: str) -> str:
+    """llama.cpp's row with that KV cache type (f16, its default: PEER, the row of every earlier run)."""
+    return PEER if kv_type == "f16" else f"{PEER}, {kv_type} KV"
 
 
 def tool(bin_dir: Path, name: str) -> Path:
@@ -65,10 +77,17 @@ def main_job_lengths() -> Dict[str, int]:
     return {"prompt_tokens": job.chat_prompt_ids(tokenizer).numel(), "new_tokens": 64, "prefill_tokens": 512}
 
 
-def llama_bench(bench: Path, model: Path, threads: int, lengths: Dict[str, int], rounds: int) -> Dict[str, float]:
+def llama_bench(bench: Path, model: Path, threads: int, lengths: Dict[str, int], rounds: int,
+                kv_type: str = "f16", context: Optional[int] = None) -> Dict[str, float]:
+    """llama-bench's medians in bench llm's units: without context, decode (the prompt's prefill included),
+    generation and prefill; with context, the generation after that many tokens (its depth: -d)."""
     prompt, new, prefill = lengths["prompt_tokens"], lengths["new_tokens"], lengths["prefill_tokens"]
-    argv = [str(bench), "-m", str(model), "-t", str(threads), "-p", str(prefill), "-n", str(new),
-            "-pg", f"{prompt},{new}", "-r", str(rounds), "-o", "json"]
+    argv = [str(bench), "-m", str(model), "-t", str(threads), "-r", str(rounds), "-o", "json", "-ctk", kv_type,
+            "-ctv", kv_type]
+    if kv_type not in ("f16", "f32"):  # llama.cpp quantizes the V cache only with flash attention
+        argv += ["-fa", "1"]
+    argv += ["-p", "0", "-n", str(new), "-d", str(context)] if context else \
+        ["-p", str(prefill), "-n", str(new), "-pg", f"{prompt},{new}"]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -76,6 +95,8 @@ def llama_bench(bench: Path, model: Path, threads: int, lengths: Dict[str, int],
     for test in json.loads(proc.stdout):
         key = (test["n_prompt"], test["n_gen"])
         seconds[key] = statistics.median(test["samples_ns"]) / 1e9
+    if context:
+        return {"generation_tokens_per_s": new / seconds[(0, new)]}
     return {"decode_tokens_per_s": new / seconds[(prompt, new)], "generation_tokens_per_s": new / seconds[(0, new)],
             "prefill_s": seconds[(prefill, 0)]}
 
@@ -85,6 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bin", required=True, type=Path, help="a llama.cpp build's bin folder")
     parser.add_argument("--threads", type=positive_int, nargs="+", default=[1, 2], metavar="N")
     parser.add_argument("--rounds", type=positive_int, default=5, help="llama-bench repetitions (default 5)")
+    parser.add_argument("--kv-cache", nargs="+", choices=KV_TYPES, default=["f16"], metavar="TYPE",
+                        help=f"llama.cpp KV cache types, a row each: {', '.join(KV_TYPES)} (default f16)")
+    parser.add_argument("--context", type=positive_int, metavar="N",
+                        help="decode after N tokens of context (llama-bench -d N), the prompt's prefill not counted")
     parser.add_argument("--ours", metavar="BENCH_LLM.json", help="a `python -m w8a8_cpu bench llm --json` result")
     parser.add_argument("--json", metavar="FILE", type=output_file)
     args = parser.parse_args(argv)
@@ -94,47 +119,62 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"llama_cpp_peer.py: {e}", file=sys.stderr)
         return 2
     ours: Dict[int, dict] = {}  # threads -> bench llm's rows
+    context = args.context
     if args.ours:
         try:
             result = json.loads(Path(args.ours).read_text())
             ours = {run["threads"]: run["engines"] for run in result["runs"]}
             lengths = {key: int(result[key]) for key in ("prompt_tokens", "new_tokens", "prefill_tokens")}
+            theirs = result.get("context")
         except (ValueError, TypeError, OSError, KeyError) as e:  # json.JSONDecodeError is a ValueError
             print(f"llama_cpp_peer.py: --ours {args.ours}: not a bench llm --json result ({type(e).__name__}: {e})",
                   file=sys.stderr)
             return 2
-        if result.get("context"):  # a dict by now: result["runs"] above
-            print(f"llama_cpp_peer.py: --ours {args.ours}: a bench llm --context result (decode without the "
-                  f"prompt's prefill) has no llama-bench row here to compare with; use a run without --context",
+        if context != theirs and context is not None:
+            print(f"llama_cpp_peer.py: --context {context}: --ours {args.ours} is a bench llm run with "
+                  f"{f'--context {theirs}' if theirs else 'no --context'}; compare decodes at one context",
                   file=sys.stderr)
             return 2
+        context = theirs
     else:
         lengths = main_job_lengths()
     model = q8_0_model(quantize)
+    decode = (f"after {context} tokens of context (llama-bench -d), the context's prefill not counted" if context else
+              f"after a {lengths['prompt_tokens']}-token prompt, its prefill included; prefill "
+              f"{lengths['prefill_tokens']} tokens")
     print(f"llama.cpp Q8_0 ({model.name}, {model.stat().st_size / 2**20:.0f} MiB): decode = {lengths['new_tokens']} "
-          f"tokens after a {lengths['prompt_tokens']}-token prompt, its prefill included; prefill "
-          f"{lengths['prefill_tokens']} tokens; medians of {args.rounds} llama-bench runs")
-    header = f"  {'threads':>7} {'engine':<18} {'decode tok/s':>12} {'generation tok/s':>16} {'prefill s':>9}"
+          f"tokens {decode}; medians of {args.rounds} llama-bench runs")
+    name_width = max(len(n) for n in [*map(peer_name, args.kv_cache), FAST, CT2,
+                                      *(n for rows in ours.values() for n in rows)])
+    header = f"  {'threads':>7} {'engine':<{name_width}} {'decode tok/s':>12} {'generation tok/s':>16} {'prefill s':>9}"
     print(header + ("  decode vs llama.cpp  prefill vs llama.cpp" if ours else ""))
+    reference_name = peer_name("f16" if "f16" in args.kv_cache else args.kv_cache[0])  # llama.cpp's default KV
     runs = []
     for threads in args.threads:
-        measured = llama_bench(bench, model, threads, lengths, args.rounds)
-        runs.append({"threads": threads, "llama.cpp Q8_0": measured})
-        print(f"  {threads:>7} {'llama.cpp Q8_0':<18} {measured['decode_tokens_per_s']:12.1f} "
-              f"{measured['generation_tokens_per_s']:16.1f} {measured['prefill_s']:9.3f}")
-        for name in (FAST, CT2):
-            row = ours.get(threads, {}).get(name)
-            if row:
-                decode = row["decode_tokens_per_s"] / measured["decode_tokens_per_s"]
-                prefill = measured["prefill_s"] / row["prefill_s"]
-                runs[-1][name] = {**{k: row[k] for k in ("decode_tokens_per_s", "prefill_s")},
-                                  "decode_vs_llama_cpp": decode, "prefill_vs_llama_cpp": prefill}
-                print(f"  {threads:>7} {name:<18} {row['decode_tokens_per_s']:12.1f} {'':>16} {row['prefill_s']:9.3f}"
-                      f"  {decode:18.2f}x {prefill:20.2f}x")
+        run = {"threads": threads}
+        for kv_type in args.kv_cache:
+            measured = llama_bench(bench, model, threads, lengths, args.rounds, kv_type, context)
+            if context:  # the generation after the context is its decode here, as bench llm --context's
+                measured["decode_tokens_per_s"] = measured["generation_tokens_per_s"]
+            run[peer_name(kv_type)] = measured
+            print(f"  {threads:>7} {peer_name(kv_type):<{name_width}} {measured['decode_tokens_per_s']:12.1f} "
+                  f"{measured['generation_tokens_per_s']:16.1f} {measured.get('prefill_s', 0):9.3f}")
+        reference = run[reference_name]
+        for name, row in ours.get(threads, {}).items():
+            if not (name.startswith(FAST) or name == CT2) or row.get("decode_tokens_per_s") is None:
+                continue
+            decode = row["decode_tokens_per_s"] / reference["decode_tokens_per_s"]
+            prefill = reference["prefill_s"] / row["prefill_s"] if not context else None
+            run[name] = {**{k: row[k] for k in ("decode_tokens_per_s", "prefill_s")},
+                         "decode_vs_llama_cpp": decode, "prefill_vs_llama_cpp": prefill}
+            print(f"  {threads:>7} {name:<{name_width}} {row['decode_tokens_per_s']:12.1f} {'':>16} "
+                  f"{row['prefill_s']:9.3f}  {decode:18.2f}x " + ("" if context else f"{prefill:20.2f}x"))
+        runs.append(run)
     if ours:
-        print("  (ratios > 1: faster than llama.cpp)")
+        print(f"  (ratios > 1: faster than {reference_name})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(model), **lengths, "rounds": args.rounds, "runs": runs},
+        Path(args.json).write_text(json.dumps({"model": str(model), **lengths, "context": context,
+                                               "kv_caches": args.kv_cache, "rounds": args.rounds, "runs": runs},
                                               indent=1))
         print(f"wrote {args.json}")
     return 0

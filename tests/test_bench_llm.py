@@ -38,6 +38,9 @@ def test_bench_llm_is_a_mode_of_bench():
     assert (defaults.threads, defaults.new_tokens, defaults.prefill_tokens, defaults.rounds, defaults.context) == \
         ([1, 2], 64, 512, 3, None)
     assert parser.parse_args(["bench", "llm", "--context", "1000"]).context == 1000
+    assert defaults.kv_cache == ["fp32"]
+    kv_caches = ["fp32", "fp16", "int8"]
+    assert parser.parse_args(["bench", "llm", "--kv-cache", *kv_caches]).kv_cache == kv_caches
     suite = parser.parse_args(["bench", "--quick", "--threads", "1", "2", "--shapes", "smollm2", "--no-moe"])
     assert suite.bench_mode is None and suite.quick and suite.threads == [1, 2]  # the suite's options as before
 
@@ -57,6 +60,7 @@ def test_help_lists_bench_llm(capsys):
     (["--json", "/nonexistent-w8a8-dir/out.json"], "does not exist"),
     (["--context", "0"], "expected a positive integer, got 0"),
     (["--context", "100", "--new-tokens", "1"], "--new-tokens of at least 2"),
+    (["--kv-cache", "q8_0"], "invalid choice: 'q8_0'"),
 ])
 def test_bad_options_stop_before_any_work(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(smollm2, "load", lambda *a: pytest.fail("the model was loaded despite a bad option"))
@@ -320,17 +324,24 @@ def test_tiny_llama_engines_without_the_peer(monkeypatch):
     model = transformers.LlamaForCausalLM(config).eval()
     monkeypatch.setitem(sys.modules, "ctranslate2", None)
     unavailable = {}
-    engines, ct2_dir = bench_llm.build_engines(model, QUIET, unavailable)
+    engines, ct2_dir = bench_llm.build_engines(model, QUIET, unavailable, kv_caches=["fp32", "int8"])
     assert ct2_dir is None and "w8a8-cpu[bench]" in unavailable[bench_llm.CT2]
     assert bench_llm.FAST not in unavailable
-    assert list(engines) == [name for name in bench_llm.ENGINES if name not in unavailable]
+    int8 = bench_llm.fast_path_name("int8")
+    assert list(engines) == [name for name in bench_llm.ENGINES if name not in unavailable] + [int8]
     assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear, "the fp32 model stays float"
     (run,) = bench_llm.sweep(lambda threads: engines, [1], torch.arange(1, 9), torch.arange(1, 33), new_tokens=6,
                              rounds=1, progress=QUIET)
     assert run["engines"][bench_llm.FP32]["greedy_equal_prefix"] == 6
     assert all(len(r["tokens"]) == 6 and r["prefill_s"] > 0 for r in run["engines"].values())
     assert "decode_vs_ctranslate2" not in run["engines"][bench_llm.FP32]
-    assert bench_llm.format_table(run, 6, unavailable)[-1].split() == ["llama.cpp*", "75.0", "x1.00"]
+    # the KV bytes at the prompt's and new tokens' positions (8 + 6): layers, K and V, KV heads, head_dim 16
+    fp32_bytes = 2 * 2 * 14 * 2 * 16 * 4
+    assert run["engines"][bench_llm.FAST]["kv_bytes"] == fp32_bytes and run["engines"][bench_llm.FP32]["kv_bytes"] is None
+    assert run["engines"][int8]["kv_bytes"] == fp32_bytes * (16 + 4) // 64
+    table = bench_llm.format_table(run, 6, unavailable)
+    assert table[-1].split() == ["llama.cpp*", "75.0", "x1.00"]
+    assert "W8A8 fast path, int8 KV 0.0 MiB (x0.312 of fp32)" in table[-2]
 
 
 # --------------------------------------------------------------------------------------------------- llama.cpp peer
@@ -340,15 +351,21 @@ import shutil, sys
 assert sys.argv[1:2] == ["--allow-requantize"] and sys.argv[4] == "Q8_0", sys.argv
 shutil.copyfile(sys.argv[2], sys.argv[3])
 """
-# llama-bench -m F -t T -p 512 -n 64 -pg 41,64 -r R -o json: a test per (n_prompt, n_gen), samples in ns; the times
-# scale with the thread count so that each run's numbers are its own
+# llama-bench -m F -t T -r R -o json -ctk K -ctv K [-fa 1] then -p 512 -n 64 -pg 41,64 or -p 0 -n 64 -d DEPTH: a test
+# per (n_prompt, n_gen), samples in ns; the times scale with the thread count, the depth (per 1024) and the cache type
+# (q8_0 1.25x) so that each run's numbers are its own
 FAKE_LLAMA_BENCH = """#!{python}
 import json, sys
 a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-t, p, n, r = int(a["-t"]), int(a["-p"]), int(a["-n"]), int(a["-r"])
-prompt = int(a["-pg"].split(",")[0])
-tests = [(p, 0, 2.0), (0, n, 0.8), (prompt, n, 1.0)]
-print(json.dumps([{{"n_prompt": np, "n_gen": ng, "samples_ns": [s * 1e9 / t] * (r - 1) + [99e9]}}
+t, n, r = int(a["-t"]), int(a["-n"]), int(a["-r"])
+assert a["-ctv"] == a["-ctk"] and ("-fa" in a) == (a["-ctk"] == "q8_0"), sys.argv
+slow = {{"f16": 1.0, "q8_0": 1.25}}[a["-ctk"]]
+if "-d" in a:
+    assert a["-p"] == "0" and "-pg" not in a, sys.argv
+    tests = [(0, n, 0.8 * int(a["-d"]) / 1024)]
+else:
+    tests = [(int(a["-p"]), 0, 2.0), (0, n, 0.8), (int(a["-pg"].split(",")[0]), n, 1.0)]
+print(json.dumps([{{"n_prompt": np, "n_gen": ng, "samples_ns": [s * slow * 1e9 / t] * (r - 1) + [99e9]}}
                   for np, ng, s in tests]))
 """
 
@@ -394,11 +411,23 @@ def test_llama_cpp_script_times_the_q8_0_model_in_bench_llm_units(tmp_path, cach
     assert "llama.cpp Q8_0" in printed and "faster than llama.cpp" in printed
     assert llama_cpp_peer.main(["--bin", str(tmp_path)]) == 2  # no llama-bench there: one line, exit 2
     assert "no executable llama-bench" in capsys.readouterr().err
-    # a --context result's decode leaves out the prompt's prefill: no llama-bench row to divide it by
-    ours.write_text(json.dumps({"prompt_tokens": 1024, "new_tokens": 64, "prefill_tokens": 512, "context": 1024,
-                                "runs": [{"threads": 1, "engines": engines}]}))
-    assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2
-    assert "a bench llm --context result" in capsys.readouterr().err
+    # a --context result: llama-bench's generation at that depth for each KV cache type, beside every fast path row,
+    # the ratios to llama.cpp's default (f16 KV): issue 51's table
+    int8 = bench_llm.fast_path_name("int8")
+    ours.write_text(json.dumps({"prompt_tokens": 2048, "new_tokens": 64, "prefill_tokens": 512, "context": 2048,
+                                "runs": [{"threads": 2, "engines": {**engines, int8: {"decode_tokens_per_s": 160.0,
+                                                                                       "prefill_s": 1.0}}}]}))
+    argv = ["--bin", str(bin_dir), "--threads", "2", "--rounds", "3", "--kv-cache", "f16", "q8_0", "--ours", str(ours),
+            "--json", str(out)]
+    assert llama_cpp_peer.main(argv) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run[llama_cpp_peer.PEER]["decode_tokens_per_s"] == pytest.approx(64 / (0.8 * 2 / 2))
+    assert run[llama_cpp_peer.peer_name("q8_0")]["decode_tokens_per_s"] == pytest.approx(64 / (0.8 * 2 * 1.25 / 2))
+    assert run[bench_llm.FAST]["decode_vs_llama_cpp"] == pytest.approx(128 / 80)
+    assert run[int8]["decode_vs_llama_cpp"] == pytest.approx(160 / 80)
+    assert "2048 tokens of context" in capsys.readouterr().out
+    assert llama_cpp_peer.main(argv + ["--context", "1024"]) == 2  # not the context of --ours
+    assert "is a bench llm run with --context 2048" in capsys.readouterr().err
     for not_a_result in ({"runs": []}, [], "runs"):  # files that are no bench llm result: one line, exit 2
         ours.write_text(json.dumps(not_a_result))
         assert llama_cpp_peer.main(["--bin", str(bin_dir), "--ours", str(ours)]) == 2

@@ -1,5 +1,5 @@
 """The layer ops of the lean decoder (csrc/common/layer_ops.h): RMSNorm with the residual add, rotary embedding,
-causal prompt attention and the decode step's attention, against fp64 references of their formulas (and against the torch expressions they replace,
+causal prompt attention and the decode step's attention (its KV cache storages: test_kv_cache.py), against fp64 references of their formulas (and against the torch expressions they replace,
 bit for bit where the operation order is the same), in every float dtype, at 1 and 2 threads; bad input is a
 ValueError naming the argument, from the op and from its fake kernel alike."""
 import re
@@ -85,50 +85,6 @@ def test_prompt_attention_equals_sdpa(t, threads):
         got = ops.causal_attention(q, k, v, 0.3)
     assert got.shape == (t, 6, 16) and got.is_contiguous()
     torch.testing.assert_close(got.double(), attention_reference(q, k, v, 0.3), rtol=0, atol=2e-6)
-
-
-@pytest.mark.parametrize("position", [0, 1, 40, 199])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_attention_writes_the_caches_and_attends(position, threads):
-    """One decode step: the position's key and value heads land in the caches (exactly), and the output is the last
-    row of causal grouped-query attention over positions 0..position in fp64; the same bits at 1 and 2 threads and for
-    a short and a long cache (one task, or one per head)."""
-    g = torch.Generator().manual_seed(position)
-    heads, kv_heads, d, length = 6, 2, 16, 200
-    k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
-    qkv = torch.randn(heads + 2 * kv_heads, d, generator=g)
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    with intra_op_threads(threads):
-        got = ops.decode_attention_(qkv, k_cache, v_cache, position, heads, 0.3)
-    assert got.shape == (heads, d) and got.is_contiguous()
-    assert torch.equal(k_cache[:, position], qkv[heads:heads + kv_heads])
-    assert torch.equal(v_cache[:, position], qkv[heads + kv_heads:])
-    others = torch.arange(length) != position
-    assert torch.equal(k_cache[:, others], before_k[:, others]) and torch.equal(v_cache[:, others], before_v[:, others])
-    keys = position + 1
-    q_all = torch.zeros(keys, heads, d)
-    q_all[-1] = qkv[:heads]
-    want = attention_reference(q_all, k_cache[:, :keys], v_cache[:, :keys], 0.3)[-1]
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
-    with intra_op_threads(3 - threads):
-        again = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
-    assert torch.equal(again, got)
-
-
-@pytest.mark.parametrize("d", [16, 24, 64, 80, 128])
-def test_decode_attention_has_the_reference_variants_bits(variant, d):
-    """Every variant's decode attention (x86: 8 keys' dot products at once, values in registers over tiles of keys,
-    for head dims that are multiples of 16) gives the bits of the reference variant's (activation.h's row), at key
-    counts around its blocks and tiles."""
-    g = torch.Generator().manual_seed(d)
-    heads, kv_heads, length = 6, 2, 300
-    k_cache, v_cache = (torch.randn(kv_heads, length, d, generator=g) for _ in range(2))
-    qkv = torch.randn(heads + 2 * kv_heads, d, generator=g) * 3
-    for position in (0, 7, 8, 127, 128, 299):
-        got = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
-        with w8a8_cpu.use_variant("ref"):
-            want = ops.decode_attention_(qkv, k_cache.clone(), v_cache.clone(), position, heads, 0.3)
-        assert torch.equal(got, want), (variant, d, position)
 
 
 def test_decode_attention_non_finite_and_overlap():

@@ -42,8 +42,10 @@ static inline Float4 load_kv4(const void* row, int64_t i) {
 
 // 4 x 4 floats transposed: r[i] lane j <- r[j] lane i.
 static inline void transpose4x4(Float4 r[4]) {
-  const Float4 t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5), t1 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7);
-  const Float4 t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5), t3 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
+  const Float4 t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5);
+  const Float4 t1 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7);
+  const Float4 t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5);
+  const Float4 t3 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
   r[0] = __builtin_shufflevector(t0, t2, 0, 1, 4, 5), r[1] = __builtin_shufflevector(t0, t2, 2, 3, 6, 7);
   r[2] = __builtin_shufflevector(t1, t3, 0, 1, 4, 5), r[3] = __builtin_shufflevector(t1, t3, 2, 3, 6, 7);
 }

@@ -1,8 +1,8 @@
 // The small float operations of a decoder layer that sit between its GEMMs: RMSNorm (with the residual add before it),
-// rotary position embedding, the dispatch of the prompt attention's softmax, and the decode attention over the KV cache. A model runs them on every layer of
-// every token; as separate torch ops they were ~10% of SmolLM2's prefill and a Python dispatch each per decode step.
-// Plain C++ on rows of fp32/bf16/fp16 elements, computed in fp32 in a fixed operation order (no FMA contraction: see
-// CMakeLists), one rounding to the element type at the end.
+// rotary position embedding, the dispatch of the prompt attention's softmax, and the decode attention over the KV
+// cache. A model runs them on every layer of every token; as separate torch ops they were ~10% of SmolLM2's prefill
+// and a Python dispatch each per decode step. Plain C++ on rows of fp32/bf16/fp16 elements, computed in fp32 in a fixed
+// operation order (no FMA contraction: see CMakeLists), one rounding to the element type at the end.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
-// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the decode attention's
-// key blocks (fp32, fp16 and int8 caches), and the AVX2 per-token quantization (defined in avx2.cpp; every x86 variant
-// requires AVX2).
+// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the decode
+// attention's key blocks (fp32, fp16 and int8 caches), and the AVX2 per-token quantization (defined in avx2.cpp; every
+// x86 variant requires AVX2).
 #pragma once
 
 #include <immintrin.h>

@@ -17,6 +17,7 @@ _MAX_NORM_ROW, _MAX_HEAD_DIM = 16384, 1024  # kMaxNormRow (layer_ops.h), kMaxHea
 _FLOAT32_MAX = 3.4028234663852886e38
 _DECODE_STEP_WEIGHTS = 14  # kWeightsPerLayer (DecodeStepWeight in csrc/common/decode_step_ops.cpp)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KV_CACHE_DTYPES = (torch.float32, torch.float16, torch.int8)  # KvKind (csrc/common/microkernel.h)
 
 
 def _check_same_device(first, **tensors):
@@ -370,11 +371,16 @@ def register() -> None:
         return q.new_empty((positions, heads, d))
 
     @register_fake("w8a8_cpu::decode_attention_")
-    def _decode_attention_(qkv, k_cache, v_cache, position, heads, scale):
-        _check_same_device(qkv, k_cache=k_cache, v_cache=v_cache)
+    def _decode_attention_(qkv, k_cache, v_cache, position, heads, scale, k_scale=None, v_scale=None):
+        _check_same_device(qkv, k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+        if qkv.dtype != torch.float32:
+            raise ValueError(f"qkv: dtype must be float32, got {qkv.dtype}")
+        if k_cache.dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"k_cache: dtype must be float32, float16 or int8 (the KV cache's storage), got "
+                             f"{k_cache.dtype}")
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache: expected the dtype of k_cache, {k_cache.dtype}, got {v_cache.dtype}")
         for t, arg in ((qkv, "qkv"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-            if t.dtype != torch.float32:
-                raise ValueError(f"{arg}: dtype must be float32, got {t.dtype}")
             if not t.is_contiguous() or t.numel() == 0:
                 raise ValueError(f"{arg}: expected a non-empty contiguous tensor, got shape {list(t.shape)} and "
                                  f"strides {list(t.stride())}")
@@ -385,6 +391,15 @@ def register() -> None:
             raise ValueError(f"v_cache: expected the shape of k_cache, {list(k_cache.shape)}, got "
                              f"{list(v_cache.shape)}")
         kv_heads, length, d = k_cache.shape
+        int8 = k_cache.dtype == torch.int8
+        for t, arg in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+            if not int8 and t is not None:
+                raise ValueError(f"{arg}: only an int8 cache has scales, got one with a {k_cache.dtype} cache")
+            if int8 and (t is None or t.dtype != torch.float32 or tuple(t.shape) != (kv_heads, length) or
+                         not t.is_contiguous()):
+                got = "None" if t is None else f"{t.dtype} of shape {list(t.shape)}"
+                raise ValueError(f"{arg}: an int8 cache needs a contiguous float32 [{kv_heads}, {length}] scale per "
+                                 f"row (kv_heads, length), got {got}")
         if not 1 <= heads <= 2 ** 31 - 1 or heads % kv_heads:
             raise ValueError(f"heads: expected a positive multiple of the caches' {kv_heads} KV heads, got {heads}")
         if qkv.dim() != 2 or tuple(qkv.shape) != (heads + 2 * kv_heads, d):
@@ -397,11 +412,15 @@ def register() -> None:
         return qkv.new_empty((heads, d))
 
     @register_fake("w8a8_cpu::decode_step_")
-    def _decode_step_(h, weights, k_caches, v_caches, cos, sin, position, heads, scale, eps):
+    def _decode_step_(h, weights, k_caches, v_caches, cos, sin, position, heads, scale, eps, k_scales=None,
+                      v_scales=None):
         # the shapes decode_step_ checks before its layers; each layer's ops check theirs (their fakes above)
         layers = len(k_caches)
         if layers < 1 or len(v_caches) != layers:
             raise ValueError(f"v_caches: expected one cache per layer of k_caches ({layers}), got {len(v_caches)}")
+        for arg, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales and len(scales) != layers:
+                raise ValueError(f"{arg}: expected none or one per layer of k_caches ({layers}), got {len(scales)}")
         if len(weights) != _DECODE_STEP_WEIGHTS * layers + 1:
             raise ValueError(f"weights: expected {_DECODE_STEP_WEIGHTS} a layer ({layers} layers) and the final "
                              f"norm's, {_DECODE_STEP_WEIGHTS * layers + 1} in all, got {len(weights)}")
@@ -416,6 +435,10 @@ def register() -> None:
         if sin.shape != cos.shape:
             raise ValueError(f"sin: expected the shape of cos, {list(cos.shape)}, got {list(sin.shape)}")
         for layer, (k_cache, v_cache) in enumerate(zip(k_caches, v_caches)):
+            if (k_cache.dtype == torch.int8) != bool(k_scales) or (k_cache.dtype == torch.int8) != bool(v_scales):
+                raise ValueError(f"layer {layer}, k_cache: k_scales, v_scales: expected one per layer with int8 "
+                                 f"caches and none otherwise, got {len(k_scales or ())} and {len(v_scales or ())} with a "
+                                 f"{k_cache.dtype} cache")
             if k_cache.dim() != 3 or k_cache.numel() == 0 or k_cache.shape[0] > 2 ** 31 - 1 or \
                     not k_cache.is_contiguous() or not v_cache.is_contiguous():
                 raise ValueError(f"layer {layer}, k_cache: expected contiguous, non-empty caches [kv_heads, length, "

@@ -521,7 +521,8 @@ void test_decode_attention_bits(const MicroKernel& kern, uint64_t seed) {
           std::vector<double> p(keys);
           double max = -1e300, sum = 0;
           for (int64_t j = 0; j < keys; ++j) {
-            for (int64_t e = 0; e < d; ++e) p[j] += static_cast<double>(q[h * d + e]) * stored_k[(g * length + j) * d + e];
+            for (int64_t e = 0; e < d; ++e)
+              p[j] += static_cast<double>(q[h * d + e]) * stored_k[(g * length + j) * d + e];
             p[j] *= scale, max = std::max(max, p[j]);
           }
           for (double& v : p) sum += (v = std::exp(v - max));

@@ -7,7 +7,8 @@ Engines (rows), all on the same token ids from the main job's tokenizer:
   W8A8 eager             w8a8_cpu.nn.quantize_model (every Linear but lm_head), run by transformers
   W8A8 fast path         the main job's W8A8 model (lm_head and embedding as one int8 table, q/k/v and gate/up
                          fused) through the lean loop w8a8_cpu.llm.decoder.Decoder (each decode step one
-                         decode_step_ op)
+                         decode_step_ op), its KV cache in fp32; with --kv-cache, a row per storage
+                         ("W8A8 fast path, int8 KV": the same model, Decoder(model, kv_cache=...))
   CTranslate2 int8       the float checkpoint converted by ctranslate2 (int8 weights, cached), its own generator
 Measures: decode = new tokens / wall time of one greedy generation from the main job's chat prompt, prompt prefill
 included (as evaluate.greedy times it); with --context N, decode at a long context: the prompt is the first N tokens
@@ -15,7 +16,8 @@ of the prefill text and decode = (new tokens - 1) / the median over rounds of (t
 one-token generation from the same prompt in that round): the tokens after the first, without the prompt's prefill;
 prefill = time to the next-token logits of the first --prefill-tokens tokens of the GPL-3 text, computed for the
 last position only; greedy = generated tokens equal to fp32's before the first difference (a sanity check: a whole
-int8 model parts from fp32 after a few tokens, see docs/numerics.md). Engines are timed in interleaved rounds
+int8 model parts from fp32 after a few tokens, see docs/numerics.md); KV bytes = each fast path row's KV cache at the prompt's
+and new tokens' positions (keys, values and int8 scales of every layer). Engines are timed in interleaved rounds
 (timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
 """
 from __future__ import annotations
@@ -32,12 +34,19 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from w8a8_cpu.llm import evaluate
+from w8a8_cpu.llm.decoder import KV_CACHES
 
 from .options import output_file, positive_int
 from .timing import Progress, interleaved, medians
 
 FP32, AO, EAGER, FAST, CT2 = "fp32", "torch.ao dynamic int8", "W8A8 eager", "W8A8 fast path", "CTranslate2 int8"
 ENGINES = (FP32, AO, EAGER, FAST, CT2)
+
+
+def fast_path_name(kv_cache: str) -> str:
+    """The fast path's row with a KV cache of that storage (fp32: FAST, the row of every earlier run)."""
+    return FAST if kv_cache == "fp32" else f"{FAST}, {kv_cache} KV"
+
 WARMUP_ROUNDS = 1
 # llama.cpp's SmolLM2-135M decode rate published in the issue: a fixed reference line, never measured here (another
 # machine, build and setup), so its ratios only place the measured rows on the issue's scale.
@@ -59,6 +68,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=positive_int, metavar="N",
                         help="decode after N tokens of the prefill text instead of the chat prompt, timed without "
                              "the prompt's prefill (each cached key and value is read again by every new token)")
+    parser.add_argument("--kv-cache", nargs="+", choices=KV_CACHES, default=["fp32"], metavar="KIND",
+                        help=f"the fast path's KV cache storage, a row each: {', '.join(KV_CACHES)} (default fp32)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help=f"timed interleaved rounds after {WARMUP_ROUNDS} warm-up (default 3)")
     parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
@@ -73,6 +84,7 @@ class Engine:
     next-token logits (or the token) after ids."""
     greedy: Callable[[torch.Tensor, int], Sequence[int]]
     prefill: Callable[[torch.Tensor], object]
+    kv_bytes: Optional[Callable[[int], int]] = None  # the fast path's: bytes of its KV cache at that many positions
 
 
 def transformers_engine(model: torch.nn.Module) -> Engine:
@@ -90,9 +102,11 @@ def ctranslate2_engine(generator, tokenizer) -> Engine:
     return Engine(greedy=greedy, prefill=lambda ids: greedy(ids, 1))  # its cheapest call that yields the next token
 
 
-def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[str, str]):
-    """({name: engine} of the torch engines, made from the fp32 SmolLM2 model, and the CTranslate2 model folder or
-    None); an engine that cannot be built is left out with its reason in `unavailable`."""
+def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[str, str],
+                  kv_caches: Sequence[str] = ("fp32",)):
+    """({name: engine} of the torch engines, made from the fp32 SmolLM2 model, with a fast path row per KV cache
+    storage, and the CTranslate2 model folder or None); an engine that cannot be built is left out with its reason in
+    `unavailable`."""
     from w8a8_cpu.llm import smollm2
     from w8a8_cpu.nn import quantize_model
 
@@ -110,8 +124,11 @@ def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[s
     progress.step(EAGER)
     engines[EAGER] = transformers_engine(quantize_model(copy.deepcopy(fp32), skip=KEEP_FLOAT))
     progress.step(FAST)  # on a W8A8 model of its own: the eager row times transformers on the unfused model
-    decoder = Decoder(quantize_for_job(copy.deepcopy(fp32), int8_output_layer=True))
-    engines[FAST] = Engine(greedy=decoder.greedy, prefill=decoder.prefill)
+    quantized = quantize_for_job(copy.deepcopy(fp32), int8_output_layer=True)
+    for kv_cache in kv_caches:  # one model, a Decoder (and KV cache) each
+        decoder = Decoder(quantized, kv_cache=kv_cache)
+        engines[fast_path_name(kv_cache)] = Engine(greedy=decoder.greedy, prefill=decoder.prefill,
+                                                   kv_bytes=decoder.kv_bytes)
     progress.step(f"{CT2} conversion")
     ct2_dir = None
     try:
@@ -178,6 +195,7 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
             "decode_s_rounds": decode_s[name], "prefill_s_rounds": prefill_s[name],
             **({"first_token_s_rounds": decode_s[name + FIRST_TOKEN]} if without_prefill else {}),
             "greedy_equal_prefix": None if reference is None else evaluate.agreeing_prefix(generated[name], reference),
+            "kv_bytes": engines[name].kv_bytes(prompt_ids.numel() + new_tokens) if engines[name].kv_bytes else None,
             "tokens": generated[name],
             # llama.cpp's figure is a short prompt's decode: no ratio to a long context's
             "decode_vs_llama_cpp": None if without_prefill else tokens_per_s / LLAMA_CPP_DECODE_TOKENS_PER_S,
@@ -241,6 +259,12 @@ def format_table(run: dict, new_tokens: int, unavailable: Dict[str, str]) -> Lis
         lines.append(_row(name, cells[:len(columns)]))
     for name, reason in unavailable.items():
         lines.append(f"  {name:<{NAME_WIDTH}}  not run: {reason}")
+    kv = {name: r["kv_bytes"] for name, r in run["engines"].items() if r.get("kv_bytes")}
+    if kv:
+        fp32 = kv.get(FAST)
+        lines.append("  KV cache: " + ", ".join(
+            f"{name} {size / 2 ** 20:.1f} MiB" + (f" (x{size / fp32:.3f} of fp32)" if fp32 and name != FAST else "")
+            for name, size in kv.items()))
     if not short_prompt:
         return lines
     peer = run["engines"].get(CT2)
@@ -305,7 +329,7 @@ def run(args, parser) -> int:
         print(f"bench llm: {e}", file=sys.stderr)
         return 2
     unavailable: Dict[str, str] = {}
-    engines, ct2_dir = build_engines(fp32, progress, unavailable)
+    engines, ct2_dir = build_engines(fp32, progress, unavailable, args.kv_cache)
 
     def engines_for(threads: int) -> Dict[str, Engine]:
         if ct2_dir is None:
@@ -318,7 +342,7 @@ def run(args, parser) -> int:
     result = {
         "model": smollm2.MODEL_NAME, "variant": w8a8_cpu.info()["selected_variant"], "torch": torch.__version__,
         "ctranslate2": _version("ctranslate2"), "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
-        "context": args.context,
+        "context": args.context, "kv_caches": args.kv_cache,
         "prompt_tokens": prompt_ids.numel(), "chat_prompt": None if args.context else job.CHAT_PROMPT,
         "prefill_text": str(job.EVAL_TEXT),
         "rounds": args.rounds, "warmup_rounds": WARMUP_ROUNDS,

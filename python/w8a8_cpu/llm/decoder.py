@@ -30,6 +30,14 @@ SUPPORTED = ("llama", "mistral", "qwen2")
 # sequence's length (a table made for a long call gave a later short one the long factors: logits 0.44 off) and
 # newer types are unknown: refused.
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# The KV cache's storage (Decoder's kv_cache): fp32 rows, fp16 rows, or int8 rows with one fp32 scale per token and KV
+# head (per_token_quant_int8's rule on each head's row of head_dim values: scale = max|x| / 127, round half to even,
+# an all-zero row zeros, a NaN/Inf row scale NaN so the head's attention is NaN, as an fp32 cache's would be). Per
+# token and head, not per block of 32: SmolLM2-135M, GPL-3, 2,048-token windows (stride 1,024), fp32 weights:
+# perplexity fp32 KV PPL_FP32, fp16 PPL_FP16, int8 per token-head PPL_TOKEN, int8 per 32 PPL_BLOCK; both int8 within
+# the +0.1% gate, and a scale per head row keeps the bytes at 0.27x of fp32 (68 of 256 bytes a row at head_dim 64;
+# fp32 scales per 32 values: 72, 0.28x) with one scale multiply per key in the attention's dot product and weight.
+KV_CACHES = ("fp32", "fp16", "int8")
 
 
 class _RMSNorm:
@@ -85,9 +93,12 @@ class Decoder:
     of its own to run them side by side (the model's weights are shared, not copied). one_op_step (default True): a
     greedy call runs its decode steps as one decode_step_ op each where the model, at that call, allows it (fp32,
     fused W8A8 / W4A8 layers with per-token activations running their own forward, no forward hooks), else the loop;
-    False: always the loop's ops one by one (the same bits)."""
+    False: always the loop's ops one by one (the same bits). kv_cache: the KV cache's storage, "fp32" (the default for
+    an fp32 model), "fp16" or "int8" (KV_CACHES; fp32 models: the decode ops' dtype), or None: the model's dtype. The
+    prompt's keys and values are stored so, and every position attends to them as stored (the prompt's attention on
+    the cache dequantized, decode_attention_ on the cache itself): perplexity measures what decode computes."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, kv_cache: Optional[str] = None):
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -123,6 +134,13 @@ class Decoder:
             raise ValueError(f"model: its rotary embedding covers {width.shape[-1]} of each head's {head_dim} "
                              f"dimensions (partial_rotary_factor); Decoder rotates whole heads; use model.generate")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        if kv_cache is not None and kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache: expected one of {', '.join(KV_CACHES)} or None (the model's dtype), got "
+                             f"{kv_cache!r}")
+        if kv_cache is not None and self.dtype != torch.float32:
+            raise ValueError(f"kv_cache: {kv_cache!r} needs an fp32 model (the decode ops' dtype), got a {self.dtype} "
+                             f"model; leave kv_cache None for its dtype's cache")
+        self.kv_cache = kv_cache or {torch.float32: "fp32"}.get(self.dtype)  # None: a 16-bit model's own dtype
         self._model, self._parts = model, _parts(model)
         self.one_op_step = True  # decode steps through decode_step_ where the model allows (see _step_weights)
         self._cache_len = 0
@@ -156,12 +174,45 @@ class Decoder:
         if length <= self._cache_len:
             return
         first = self.layers[0]
-        self.k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
-        self.v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+        dtype = {"fp16": torch.float16, "int8": torch.int8}.get(self.kv_cache, self.dtype)
+        self.k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
+        self.v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
+        # int8: each row's scale (per token and KV head); [] otherwise, as decode_step_ takes them
+        scales = self.kv_cache == "int8"
+        self.k_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
+        self.v_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
         probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
         cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
+
+    def kv_bytes(self, positions: int) -> int:
+        """Bytes of the KV cache (every layer's keys, values and their scales) holding `positions` positions."""
+        element = {"fp16": 2, "int8": 1}.get(self.kv_cache, self.dtype.itemsize)
+        row = sum(l.kv_heads * (l.head_dim * element + (4 if self.kv_cache == "int8" else 0)) for l in self.layers)
+        return 2 * positions * row
+
+    def _store(self, i: int, heads: torch.Tensor, start: int) -> None:
+        """Writes the key and value heads [T, kv_heads, d] of positions start.. into layer i's cache, as it stores
+        them (decode_attention_ stores one position by the same rule)."""
+        t, kv_heads, d = heads[:, 0].shape
+        for cache, scale, part in ((self.k_cache, self.k_scale, heads[:, 0]),
+                                   (self.v_cache, self.v_scale, heads[:, 1])):
+            rows = part.transpose(0, 1)  # [kv_heads, T, d]
+            if self.kv_cache == "int8":
+                q, s = torch.ops.w8a8_cpu.per_token_quant_int8(rows.reshape(-1, d))
+                cache[i][:, start:start + t] = q.view(kv_heads, t, d)
+                scale[i][:, start:start + t] = s.view(kv_heads, t)
+            else:
+                cache[i][:, start:start + t] = rows  # fp16: rounded to nearest even, as the C++ op rounds
+
+    def _stored(self, i: int, end: int) -> tuple:
+        """Layer i's keys and values of positions 0..end-1 as attention reads them: fp32, an int8 row times its scale
+        (one fp32 product a value)."""
+        if self.kv_cache == "int8":
+            return tuple(c[i][:, :end].float() * s[i][:, :end, None]
+                         for c, s in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale)))
+        return self.k_cache[i][:, :end].float(), self.v_cache[i][:, :end].float()
 
     def _forward(self, ids: torch.Tensor, start: int, step_weights: Optional[list] = None) -> torch.Tensor:
         """Positions start .. start + T - 1 of ids [T] through the model (their K/V written to the cache); returns the
@@ -174,29 +225,34 @@ class Decoder:
         if step_weights is not None:  # the loop below as one op (decode_step_): the same functions, the same bits
             first = self.layers[0]
             return torch.ops.w8a8_cpu.decode_step_(h, step_weights, self.k_cache, self.v_cache, self.cos, self.sin,
-                                                   start, first.heads, first.scaling, self.norm.eps)[0]
+                                                   start, first.heads, first.scaling, self.norm.eps, self.k_scale,
+                                                   self.v_scale)[0]
         x = self.layers[0].input_norm(h)
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             d, nq, nkv = layer.head_dim, layer.heads, layer.kv_heads
             qkv = layer.qkv(x)  # [1, T, (nq + 2 nkv) d]
             torch.ops.w8a8_cpu.rotary_embedding_(qkv, self.cos[start:end], self.sin[start:end], nq + nkv)
             if t == 1 and self.dtype == torch.float32:  # the cache writes and the attention in one op
+                scales = (self.k_scale[i], self.v_scale[i]) if self.k_scale else (None, None)
                 attn = torch.ops.w8a8_cpu.decode_attention_(qkv.view(nq + 2 * nkv, d), k_cache, v_cache, start, nq,
-                                                            layer.scaling)
+                                                            layer.scaling, *scales)
             else:
                 heads = qkv.view(t, nq + 2 * nkv, d)
-                k_cache[:, start:end] = heads[:, nq:nq + nkv].transpose(0, 1)
-                v_cache[:, start:end] = heads[:, nq + nkv:].transpose(0, 1)
+                if self.kv_cache in ("fp16", "int8"):
+                    self._store(i, heads[:, nq:].view(t, 2, nkv, d), start)
+                else:
+                    k_cache[:, start:end] = heads[:, nq:nq + nkv].transpose(0, 1)
+                    v_cache[:, start:end] = heads[:, nq + nkv:].transpose(0, 1)
                 if t == 1:  # a 16-bit model
                     attn = torch.nn.functional.scaled_dot_product_attention(
                         heads[:, :nq].transpose(0, 1).unsqueeze(0), k_cache[None, :, :end], v_cache[None, :, :end],
                         scale=layer.scaling, enable_gqa=True)
                     attn = attn.transpose(1, 2)
                 else:
-                    # the library's blocked causal attention (fp32; a no-op conversion for fp32 models)
-                    attn = torch.ops.w8a8_cpu.causal_attention(
-                        heads[:, :nq].float(), k_cache[:, :end].float(), v_cache[:, :end].float(),
-                        layer.scaling).to(self.dtype)
+                    # the library's blocked causal attention (fp32; a no-op conversion for fp32 models) on the cache
+                    # as stored
+                    attn = torch.ops.w8a8_cpu.causal_attention(heads[:, :nq].float(), *self._stored(i, end),
+                                                               layer.scaling).to(self.dtype)
             x = layer.post_norm.add_(h, layer.o_proj(attn.reshape(1, t, nq * d)))
             following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x = following.add_(h, layer.mlp(x))

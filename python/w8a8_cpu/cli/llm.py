@@ -51,6 +51,9 @@ TIMING_ROUNDS = 3  # decode (prefill when the perplexity windows do not time it)
 
 FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "W8A8 (SQ, fp32 lm_head)",
                                    "torch.ao dynamic int8")
+# The job's model with its KV cache in int8 (Decoder(model, kv_cache="int8"): a scale per token and KV head, 0.27x the
+# fp32 cache's bytes): the same weights, a Decoder of its own (lean loop runs only)
+SQ_INT8_KV = "W8A8 (SQ), int8 KV"
 # W4A8 rows (informational, no gate): int4 linears in groups of 32 with the int8 output layer and fusion of the job's
 # model. Q4_1's min-max rule lands on the grid SmolLM2's float weights were dequantized from (a Q4_1 file), and
 # SmoothQuant with one scale per group of 32 input channels keeps them on it (a group scales as one), so that row
@@ -215,6 +218,9 @@ def run(eval_tokens: int = 4096, window: int = 512, stride: int = 256, calibrati
 
     # Sharded models run collectives in their layers: the launcher times them itself, the job runs them as they are.
     decoders = {name: Decoder(model) for name, model in models.items()} if prepare_w8a8 is None else {}
+    if decoders:
+        models[SQ_INT8_KV] = models[SQ]
+        decoders[SQ_INT8_KV] = Decoder(models[SQ], kv_cache="int8")
     timers = {name: WindowPrefillTimer(decoder, prefill_tokens) for name, decoder in decoders.items()}
     progress.step(f"perplexity, {n_windows} windows x {len(models)} models")
     # through the lean loop where there is one: the path that decode is timed on (the same function as transformers'
@@ -352,6 +358,9 @@ def print_report(result: dict) -> None:
               f"token; top-1: next-token argmax equal to fp32's; greedy: tokens equal to fp32's generate before the "
               f"first difference; decode: {n} greedy tokens, batch 1, prompt included, {timing}; generate: the same "
               f"{n} tokens through transformers' generate, one run, for fp32 and {SQ})")
+        if SQ_INT8_KV in models:
+            print(f"  ({SQ_INT8_KV}: {SQ}'s model, its KV cache in int8 with an fp32 scale per token and KV head, "
+                  f"0.27x the fp32 cache's bytes)")
         if W4A8_ASYM in models:
             print(f"  (SQ/{GROUP_SIZE}: SmoothQuant alpha {W4A8_ASYM_SQ_ALPHA} with one scale per group of {GROUP_SIZE} "
                   f"input channels, round to nearest; SQ: alpha {result['smoothquant_alpha']} (W4A8 sym: "

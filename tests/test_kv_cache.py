@@ -172,9 +172,9 @@ def test_decoder_refuses_a_kv_cache_it_does_not_have():
 Z = torch.zeros
 I8 = dict(dtype=torch.int8)
 BAD = [
-    ((Z(8, 8), Z(2, 5, 8).bfloat16(), Z(2, 5, 8).bfloat16(), 0, 4, 1.0), "k_cache: dtype must be float32, float16 or int8"),
+    ((Z(8, 8), Z(2, 5, 8).bfloat16(), Z(2, 5, 8).bfloat16(), 0, 4, 1.0), "k_cache: dtype must be float32, float16"),
     ((Z(8, 8), Z(2, 5, 8), Z(2, 5, 8).half(), 0, 4, 1.0), "v_cache: expected the dtype of k_cache"),
-    ((Z(8, 8), Z(2, 5, 8, **I8), Z(2, 5, 8, **I8), 0, 4, 1.0), "k_scale: an int8 cache needs a contiguous float32 [2, 5]"),
+    ((Z(8, 8), Z(2, 5, 8, **I8), Z(2, 5, 8, **I8), 0, 4, 1.0), "k_scale: an int8 cache needs a contiguous float32"),
     ((Z(8, 8), Z(2, 5, 8, **I8), Z(2, 5, 8, **I8), 0, 4, 1.0, Z(2, 5), Z(2, 4)), "v_scale: an int8 cache needs"),
     ((Z(8, 8), Z(2, 5, 8, **I8), Z(2, 5, 8, **I8), 0, 4, 1.0, Z(2, 5).half(), Z(2, 5)), "k_scale: an int8 cache needs"),
     ((Z(8, 8), Z(2, 5, 8, **I8), Z(2, 5, 8, **I8), 0, 4, 1.0, Z(5, 2).t(), Z(2, 5)), "k_scale: an int8 cache needs"),
@@ -192,7 +192,12 @@ def test_bad_kv_cache_arguments_raise_naming_them(args, fragment, device):
         ops.decode_attention_(*args)
 
 
-def test_decode_step_refuses_scales_that_do_not_match_its_caches():
+def test_scales_that_do_not_match_their_caches_are_refused():
+    """decode_step_: a scale list per layer of int8 caches and none otherwise, h apart from every scale;
+    decode_attention_: scales apart from each other (both written in place)."""
+    k_cache, v_cache, (k_scale, _) = stored_cache("int8", 2, 7, 8, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="k_cache, v_cache, k_scale, v_scale: must not overlap each other or qkv"):
+        ops.decode_attention_(torch.randn(8, 8), k_cache, v_cache, 3, 4, 0.5, k_scale, k_scale)
     decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True), kv_cache="int8")
     decoder.greedy(torch.arange(5), 2)
     weights = [None if w is None else w.detach() for w in decoder._step_weights()]
@@ -217,6 +222,6 @@ def test_decode_step_refuses_scales_that_do_not_match_its_caches():
                               (torch.randn(1, 1, 64), weights, decoder.k_cache, decoder.v_cache, decoder.cos,
                                decoder.sin, 3, first.heads, first.scaling, decoder.norm.eps, decoder.k_scale,
                                decoder.v_scale))
-        k_cache, v_cache, (k_scale, v_scale) = stored_cache("int8", 2, 7, 8, torch.Generator().manual_seed(1))
+        k_cache, v_cache, (k_scale, v_scale) = stored_cache("int8", 2, 7, 8, torch.Generator().manual_seed(2))
         torch.library.opcheck(ops.decode_attention_.default,
                               (torch.randn(8, 8), k_cache, v_cache, 3, 4, 0.5, k_scale, v_scale))

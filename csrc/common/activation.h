@@ -164,6 +164,17 @@ static float attend_key_block_row(const float* query, const KvRows& rows, int64_
   return sum;
 }
 
+// A variant's copy of attend_key_block_row: copy(std::integral_constant<KvKind, kind>{}) for head dims that are a
+// multiple of 16 (lane_dot's 16 lanes in whole vectors), the row for others.
+template <typename Copy>
+static float attend_key_block_by_kind(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                                      float* out, float* max, Copy&& copy) {
+  if (d % 16 != 0) return attend_key_block_row(query, rows, keys, d, scores, out, max);
+  float total = 0.f;
+  with_kv_kind(rows.kind, [&](auto kind) { total = copy(kind); });
+  return total;
+}
+
 // A query head's output from its blocks' o (partials[b * d + e]), m and l (the rule above), in block order.
 static void combine_key_blocks(const float* partials, const float* maxes, const float* sums, int64_t blocks, int64_t d,
                                float* out) {

@@ -95,15 +95,12 @@ static float attend_key_block_vec4_kind(const float* query, const KvRows& rows, 
   return total;
 }
 
-// MicroKernel::attend_key_block of a 128-bit vector ISA. Head dims not a multiple of 16: the row.
+// MicroKernel::attend_key_block of a 128-bit vector ISA.
 static float attend_key_block_vec4(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
                                    float* out, float* max) {
-  if (d % 16 != 0) return attend_key_block_row(query, rows, keys, d, scores, out, max);
-  float total = 0.f;
-  with_kv_kind(rows.kind, [&](auto kind) {
-    total = attend_key_block_vec4_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
+  return attend_key_block_by_kind(query, rows, keys, d, scores, out, max, [&](auto kind) {
+    return attend_key_block_vec4_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
   });
-  return total;
 }
 
 }  // namespace w8a8_cpu

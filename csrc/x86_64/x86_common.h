@@ -131,7 +131,7 @@ inline __m256 load_kv8(const void* row, int64_t i) {
 // one vector add does the same step of all 8 sums (then one product by their 8 scales for int8), and the weighted
 // values accumulate in registers, 64 dims at a time over tiles of kValueTile keys (a tile's values stay in L1 for the
 // next 64 dims). fp32 rows: decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache)
-// ~1.6x the row's speed at 1024 keys, ~1.8x at 2048. Head dims not a multiple of 16: the row.
+// ~1.6x the row's speed at 1024 keys, ~1.8x at 2048.
 template <KvKind Kind>
 inline float attend_key_block_x86_kind(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
                                        float* out, float* max) {
@@ -192,12 +192,9 @@ inline float attend_key_block_x86_kind(const float* query, const KvRows& rows, i
 // MicroKernel::attend_key_block of the x86 variants.
 inline float attend_key_block_x86(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
                                   float* out, float* max) {
-  if (d % 16 != 0) return attend_key_block_row(query, rows, keys, d, scores, out, max);
-  float total = 0.f;
-  with_kv_kind(rows.kind, [&](auto kind) {
-    total = attend_key_block_x86_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
+  return attend_key_block_by_kind(query, rows, keys, d, scores, out, max, [&](auto kind) {
+    return attend_key_block_x86_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
   });
-  return total;
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ TIMING_ROUNDS = 3  # decode (prefill when the perplexity windows do not time it)
 FP32, RTN, SQ, SQ_FP32_HEAD, AO = ("fp32", "W8A8 (RTN)", "W8A8 (SmoothQuant)", "W8A8 (SQ, fp32 lm_head)",
                                    "torch.ao dynamic int8")
 # The job's model with its KV cache in int8 (Decoder(model, kv_cache="int8"): a scale per token and KV head, 0.27x the
-# fp32 cache's bytes): the same weights, a Decoder of its own (lean loop runs only)
+# fp32 cache's bytes): the same weights, a Decoder of its own (lean loop runs only). Measured (--eval-tokens 1024): ppl
+# 19.73 vs the fp32 cache's 19.60, KL vs fp32 0.0182 vs 0.0177 (the W8A8 model's chaos; fp32 weights: +0.07%)
 SQ_INT8_KV = "W8A8 (SQ), int8 KV"
 # W4A8 rows (informational, no gate): int4 linears in groups of 32 with the int8 output layer and fusion of the job's
 # model. Q4_1's min-max rule lands on the grid SmolLM2's float weights were dequantized from (a Q4_1 file), and

@@ -405,6 +405,31 @@ def test_decoder_refuses_a_model_changed_under_it():
         assert int(Decoder(model).prefill(ids).argmax()) == int(model(ids.unsqueeze(0)).logits[0, -1].argmax())
 
 
+def test_decoder_refuses_a_fused_layer_replaced_under_it():
+    """The fused q/k/v layer that the slices read (layer.self_attn.q_proj.fused) replaced on the model: an existing
+    Decoder decoded on with the old weights, no error (tokens [51, 116, ...] where a fresh Decoder and the model's own
+    generate gave [3, 61, 191, ...]). Refused now, as any other module replaced under it; a new Decoder follows the
+    model."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model = quantize_model(tiny_llama(), skip=["lm_head"], fuse=True)
+    decoder = Decoder(model)
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    before = decoder.greedy(ids, 4)
+    attn = model.model.layers[1].self_attn
+    other = copy.deepcopy(attn.q_proj.fused)
+    other.w_scale.mul_(3)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(attn, name).fused = other
+    with pytest.raises(ValueError, match="replaced after this Decoder was built.*build a new Decoder"):
+        decoder.greedy(ids, 4)
+    with torch.no_grad():
+        want = model(ids.unsqueeze(0)).logits[0, -1]
+    after = Decoder(model)
+    torch.testing.assert_close(after.prefill(ids), want, rtol=1e-4, atol=1e-4)
+    assert after.greedy(ids, 4) != before
+
+
 def test_decoder_rejects_what_it_does_not_run():
     from w8a8_cpu.llm.decoder import Decoder
 

@@ -324,8 +324,11 @@ def _parts(model: torch.nn.Module) -> list:
     parts = [inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb]
     for layer in inner.layers:
         attn = layer.self_attn
-        parts += [layer, layer.input_layernorm, layer.post_attention_layernorm, attn, attn.q_proj, attn.k_proj,
-                  attn.v_proj, attn.o_proj, layer.mlp]
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        parts += [layer, layer.input_layernorm, layer.post_attention_layernorm, attn, *projections, attn.o_proj,
+                  layer.mlp]
+        # the fused layer a slice reads (_Layer calls q_proj.fused itself: a new one was left out, silently)
+        parts += [getattr(p, "fused", None) for p in projections]
     return parts
 
 

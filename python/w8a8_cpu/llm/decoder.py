@@ -156,10 +156,27 @@ class Decoder:
         if length <= self._cache_len:
             return
         first = self.layers[0]
-        self.k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
-        self.v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
-        probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
-        cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
+        element = torch.finfo(self.dtype).bits // 8
+        # keys and values of every layer, and the rotary tables (fp32 cos and sin, and the rotary's own output)
+        needed = length * (sum(2 * l.kv_heads * l.head_dim * element for l in self.layers) +
+                           first.head_dim * (8 + 2 * element))
+        available = _memory_available()
+        if available is not None and needed > available:
+            raise ValueError(f"length: a KV cache of {length} positions needs {needed} bytes ({len(self.layers)} "
+                             f"layers, {self.dtype}), more than the {available} bytes this process can still "
+                             f"allocate; ask for fewer positions (prompt + new_tokens)")
+        self.k_cache = self.v_cache = None  # the old cache's memory free for the new one
+        self._cache_len = 0
+        try:
+            k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+            v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=self.dtype) for l in self.layers]
+            probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
+            cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
+        except RuntimeError as e:  # the allocator's refusal (memory counted by another process meanwhile)
+            raise ValueError(f"length: a KV cache of {length} positions needs {needed} bytes ({len(self.layers)} "
+                             f"layers, {self.dtype}), which cannot be allocated ({' '.join(str(e).split())[:200]}); "
+                             f"ask for fewer positions (prompt + new_tokens)") from None
+        self.k_cache, self.v_cache = k_cache, v_cache
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
 
@@ -310,6 +327,24 @@ def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
         if layer.input_norm.eps != final_norm.eps or layer.post_norm.eps != final_norm.eps:
             return False
     return True
+
+
+def _memory_available() -> Optional[int]:
+    """Bytes this process can still allocate, as far as it can tell (None: it cannot): the system's available memory
+    (/proc/meminfo's MemAvailable) and the room left under an address-space limit (RLIMIT_AS), the smaller one."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as statm:
+                limits.append(soft - int(statm.read().split()[0]) * resource.getpagesize())
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(limits) if limits else None
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:

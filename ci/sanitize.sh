@@ -99,6 +99,8 @@ echo "  the child's overflow was reported (and its report removed)"
 # under ASan, and inductor compiles C++ with LD_PRELOAD set).
 TESTS=(tests/test_bad_input.py tests/test_ops.py tests/test_moe.py tests/test_concurrency.py tests/test_non_finite.py)
 TESTS+=(tests/test_packed_weight_safety.py tests/test_checkpoint_fuzz.py tests/test_layer_ops.py)
+# the hostile-input suite at its CI counts (its children inherit LD_PRELOAD and ASan's log_path)
+TESTS+=(tests/hostile/test_hostile.py)
 log "pytest under ASan + UBSan: ${TESTS[*]}"
 rc=0
 python3 -m pytest -q -p no:cacheprovider --durations=5 "${TESTS[@]}" \

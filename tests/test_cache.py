@@ -5,6 +5,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import stat
 import time
 
@@ -144,6 +145,17 @@ def test_target_that_is_not_a_folder_is_named(root, odd, tmp_path):
 def test_cache_root_that_is_a_file_is_named(root):
     root.write_text("x")
     with pytest.raises(ValueError, match="the cache root"):
+        ensure(Builder())
+
+
+@pytest.mark.parametrize("target", ["folder", "nothing"])
+def test_cache_root_that_is_a_link_is_named_a_link(root, target, tmp_path):
+    """A link is not followed (who can change it would choose what is loaded): said so, also when it dangles (it was
+    'is not a directory' for a link to a folder, 'cannot be created (File exists)' for a dangling one)."""
+    (tmp_path / "folder").mkdir()
+    root.symlink_to(tmp_path / target)
+    message = f"cache: the cache root is a symbolic link (to '{tmp_path / target}'), which the cache does not follow"
+    with pytest.raises(ValueError, match=re.escape(message + "; set W8A8_CPU_CACHE to the directory itself")):
         ensure(Builder())
 
 

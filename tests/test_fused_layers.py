@@ -2,6 +2,7 @@
 (transformers): fused outputs against the separate layers bit for bit, the shared table against its int8 rows
 exactly, and the Decoder's logits and greedy tokens against the model's own forward and generate."""
 import copy
+import re
 
 import pytest
 import torch
@@ -403,6 +404,50 @@ def test_decoder_refuses_a_model_changed_under_it():
         converted.prefill(ids)
     with torch.no_grad():  # a Decoder built now runs the W8A8 model
         assert int(Decoder(model).prefill(ids).argmax()) == int(model(ids.unsqueeze(0)).logits[0, -1].argmax())
+
+
+def test_decoder_refuses_a_fused_layer_replaced_under_it():
+    """The fused q/k/v layer that the slices read (layer.self_attn.q_proj.fused) replaced on the model: an existing
+    Decoder decoded on with the old weights, no error (tokens [51, 116, ...] where a fresh Decoder and the model's own
+    generate gave [3, 61, 191, ...]). Refused now, as any other module replaced under it; a new Decoder follows the
+    model."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    model = quantize_model(tiny_llama(), skip=["lm_head"], fuse=True)
+    decoder = Decoder(model)
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    before = decoder.greedy(ids, 4)
+    attn = model.model.layers[1].self_attn
+    other = copy.deepcopy(attn.q_proj.fused)
+    other.w_scale.mul_(3)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(attn, name).fused = other
+    with pytest.raises(ValueError, match="replaced after this Decoder was built.*build a new Decoder"):
+        decoder.greedy(ids, 4)
+    with torch.no_grad():
+        want = model(ids.unsqueeze(0)).logits[0, -1]
+    after = Decoder(model)
+    torch.testing.assert_close(after.prefill(ids), want, rtol=1e-4, atol=1e-4)
+    assert after.greedy(ids, 4) != before
+
+
+def test_decoder_kv_cache_that_cannot_be_had_is_a_value_error():
+    """A KV cache larger than the memory this process can allocate: a ValueError saying what was asked (positions,
+    bytes) and why it cannot be had, before allocating (max_position_embeddings 2^31, 2^28 new tokens: a 34 GB
+    allocation failed with torch's RuntimeError). The Decoder still runs afterwards."""
+    from w8a8_cpu.llm.decoder import Decoder
+
+    decoder = Decoder(tiny_llama(max_position_embeddings=1 << 40))  # 140 TB asked: more than any machine has
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    positions = 12 + (1 << 38) - 1
+    needed = positions * (2 * 2 * 2 * 16 * 4 + 16 * (8 + 2 * 4))  # 2 layers, k and v, 2 KV heads of 16, fp32; rotary
+    with pytest.raises(ValueError, match=re.escape(f"length: a KV cache of {positions} positions needs {needed} bytes "
+                                                   f"(2 layers, fp32 KV), more than the ") +
+                       r"\d+ bytes this process can still allocate; ask for fewer positions"):
+        decoder.greedy(ids, 1 << 38)
+    with torch.no_grad():
+        model_tokens = decoder._model.generate(ids.unsqueeze(0), max_new_tokens=3, do_sample=False)[0, 12:]
+    assert decoder.greedy(ids, 3) == model_tokens.tolist()
 
 
 def test_decoder_rejects_what_it_does_not_run():

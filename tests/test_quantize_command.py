@@ -2,6 +2,7 @@
 back; the alpha search; files readable by other users; bad options refused before any work."""
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -159,6 +160,40 @@ def test_quantize_command_refuses_a_broken_model_directory_in_one_line(tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr and "quantize: " in r.stderr, r.stderr
         ours = [line for line in r.stderr.splitlines() if line.startswith("quantize: ")]  # (torch may warn too)
         assert len(ours) == 1 and message in ours[0], r.stderr
+
+
+def test_quantize_command_reads_only_the_calibration_tokens_it_needs(tmp_path):
+    """The calibration file is read only as far as its tokens are needed: the bundled text followed by a 1 GB hole
+    (sparse) quantizes from the text; a 1 GB hole alone is refused in one line, exit 2, as 16 MB of blanks are (whole,
+    the 1 GB file aborted the process: exit -6; 100 MB ended in a tokenizer panic after 17 s). The tokens read are
+    the whole text's first ones."""
+    _require_model()
+    from transformers import AutoTokenizer
+
+    from w8a8_cpu.cli.quantize import CALIBRATION_TEXT, _tokens
+
+    source = tiny_checkpoint(tmp_path / "tiny")
+    text_then_hole, hole, blanks = tmp_path / "text.txt", tmp_path / "hole.txt", tmp_path / "blanks.txt"
+    text_then_hole.write_bytes(CALIBRATION_TEXT.read_bytes())
+    hole.touch()
+    for path in (text_then_hole, hole):
+        os.truncate(path, 1 << 30)
+    blanks.write_bytes(b" " * (1 << 24))
+    common = ["--smoothquant", "none", "--calibration-tokens", "64", "--held-out-tokens", "32"]
+    r = quantize(source, tmp_path / "out", *common, "--calibration", text_then_hole, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "- calibration: 64 tokens of" in (tmp_path / "out" / "README.md").read_text()
+    for path, message in ((hole, r"a NUL byte at offset 0: not a text file$"),
+                          (blanks, r"its first 6144 bytes hold 9\d tokens; 96 \(--calibration-tokens \+ "
+                                   r"--held-out-tokens\) and 8 beyond them are needed")):
+        r = quantize(source, tmp_path / "refused", *common, "--calibration", path, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        ours = [line for line in r.stderr.splitlines() if line.startswith("quantize: ")]
+        assert len(ours) == 1 and re.search(message, ours[0]), r.stderr
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    whole = tokenizer(CALIBRATION_TEXT.read_text(), return_tensors="pt")["input_ids"][0]
+    for count in (96, 1000, 1536, whole.numel()):  # prefixes cut inside the text, and the whole text
+        assert torch.equal(_tokens(tokenizer, CALIBRATION_TEXT, count), whole[:count]), count
 
 
 def test_readme_says_that_moe_experts_are_rounded_to_nearest():

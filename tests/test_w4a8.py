@@ -4,6 +4,7 @@ product of the dequantized weight, the blob untrusted as int8 blobs are, and the
 quantize_model(scheme="w4a8"), fusion) built on the same ops."""
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -207,6 +208,62 @@ def test_int4_blob_is_untrusted_input(gen):
     b = put(raw_bytes(blob), "scheme", 0)  # an int4 blob relabelled int8: its size no longer fits
     with pytest.raises(ValueError, match="packed weight header"):
         w8a8_cpu.int8_scaled_mm_with_quant(x, as_tensor(bytes(seal(b))), ones)
+
+
+def test_int4_scales_that_could_overflow_the_group_sum_are_refused(variant, gen, tmp_path):
+    """The W4A8 epilogue sums each group's products times its scale in fp32 before the activation scale multiplies
+    the sum: weights ~1e36 gave Inf / NaN where nn.Linear and W8A8 stay finite, and so did a pack-quantized checkpoint
+    whose weight_scale was ~1e35. Scales whose worst-case sum (int8 activations of 128, int4 weights of 8, in every
+    group of a channel) passes fp32's range are refused when packing (a layer, MoE experts), in a resealed blob and
+    at checkpoint load; the largest scales accepted give the exact, finite result of the worst-case input."""
+    from test_checkpoint import edit_tensors, float_model
+    from test_packed_weight_safety import HEADER, as_tensor, raw_bytes, seal
+
+    from w8a8_cpu.llm import load_quantized, save_compressed
+
+    n, k, group = 16, 64, 32
+    q = torch.full((n, k), -8, dtype=torch.int8)
+    largest = torch.finfo(torch.float32).max / (1024 * k) * 0.999  # 1024 * group * scale per group, 2 groups
+    x = -torch.ones(3, k)  # int8 -127 everywhere: t = 2 * 32512 * scale, 0.99 of fp32's largest
+    ones = torch.ones(n)
+    blob = w8a8_cpu.pack_weight_int4(q, torch.full((n, 2), largest), None, group)
+    got = w8a8_cpu.int8_scaled_mm_with_quant(x, blob, ones)
+    x_q, x_scale = reference.per_token_quant_int8(x)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, reference.int4_scaled_mm(x_q, q, x_scale, ones, torch.full((n, 2), largest), None, group))
+    past = "let the W4A8 kernel's fp32 sum of group products .* reach .*, past fp32's 3.4e\\+38; scale the weights down"
+    with pytest.raises(ValueError, match="scale: channel 0: its group scales " + past):
+        w8a8_cpu.pack_weight_int4(q, torch.full((n, 2), largest * 1.01), None, group)
+    with pytest.raises(ValueError, match="scale, minimum: channel 0: its group scales and minimums " + past):
+        w8a8_cpu.pack_weight_int4(q, torch.full((n, 2), largest / 2), torch.full((n, 2), largest * 8), group)
+    with pytest.raises(ValueError, match="scale: channel 0: its group scales " + past):  # from float weights
+        linear = torch.nn.Linear(k, n)
+        torch.nn.init.constant_(linear.weight, 1e36)
+        W4A8Linear.from_linear(linear)
+    with pytest.raises(ValueError, match="expert 1: scale: channel 3: its group scales " + past):
+        scale = torch.full((2, n, 2), largest)
+        scale[1, 3] *= 1.01
+        w8a8_cpu.pack_experts_int4(q.expand(2, n, k), scale, None, group)
+    b = raw_bytes(blob)
+    scales_at = HEADER + k * b[12] // 2  # channel 0's first group scale
+    b[scales_at:scales_at + 4] = torch.tensor([largest * 2]).numpy().tobytes()
+    with pytest.raises(ValueError, match="packed weight channel 0: its group scales " + past):
+        w8a8_cpu.int8_scaled_mm_with_quant(x, as_tensor(bytes(seal(b))), ones)
+    for arch, key, where in (("llama-tied", "model.layers.0.mlp.down_proj.weight_scale",
+                              "model.layers.0.mlp.down_proj.weight_scale' cannot be packed: scale: channel 0"),
+                             ("mixtral", "model.layers.0.block_sparse_moe.experts.1.w1.weight_scale",
+                              "model.layers.0.mlp.experts: the experts' weight_scale cannot be packed: expert 1: "
+                              "scale: channel 0")):
+        model = quantize_model(float_model(arch), skip=["lm_head", "*.gate"], scheme="w4a8", group_size=32)
+        save_compressed(model, tmp_path / arch)
+
+        def huge(tensors):
+            tensors[key] = tensors[key].clone()
+            tensors[key].view(-1)[1] = 1e35
+
+        edit_tensors(tmp_path / arch, huge)
+        with pytest.raises(ValueError, match=re.escape(where) + ": its group scales " + past):
+            load_quantized(tmp_path / arch)
 
 
 def test_gated_int4_equals_the_separate_int4_layers(variant, gen):

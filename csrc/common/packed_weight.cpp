@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -22,6 +23,35 @@ namespace {
 static_assert(offsetof(PackedWeightHeader, checksum) == kChecksumOffset, "checksum field moved");
 static_assert(offsetof(PackedWeightHeader, packed_by) + sizeof(PackedWeightHeader::packed_by) == kChecksumOffset,
               "packed_by must end where the checksum starts");
+
+// The int4 epilogue's group sum t (GemmOutput) is formed before the activation scale multiplies it, so it must stay
+// finite in fp32 for every int8 activation row: group g adds float(acc_g) * s_g with |acc_g| <= 128 * 8 * group (and
+// float(sum_g) * mn_g with |sum_g| <= 128 * group), and each of a channel's groups + 2 roundings grows the sum by at
+// most 2^-24 of itself. A channel whose bound passes FLT_MAX is refused, at packing and in a blob: its outputs could
+// be Inf or NaN where the same weights as float or int8 stay finite (issue 50: weights ~1e36).
+struct Int4SumBound {
+  double scales = 0, mins = 0;  // one channel's sums of |s_g| and |mn_g|
+  void add(float scale, float minimum) {
+    scales += std::fabs(static_cast<double>(scale));
+    mins += std::fabs(static_cast<double>(minimum));
+  }
+  double bound(int64_t group, int64_t groups) const {
+    const double g = static_cast<double>(group);
+    return (1024.0 * g * scales + 128.0 * g * mins) * std::pow(1.0 + 0x1p-24, static_cast<double>(groups + 2));
+  }
+  // Empty when the channel fits, else why not.
+  std::string problem(int64_t channel, int64_t group, int64_t groups) const {
+    const double b = bound(group, groups);
+    if (b <= static_cast<double>(std::numeric_limits<float>::max())) return {};
+    char text[320];
+    std::snprintf(text, sizeof text,
+                  "channel %" PRId64 ": its group scales%s let the W4A8 kernel's fp32 sum of group products (int8 "
+                  "activations times int4 weights times scale, before the activation scale) reach %.3g, past fp32's "
+                  "%.3g; scale the weights down",
+                  channel, mins > 0 ? " and minimums" : "", b, static_cast<double>(std::numeric_limits<float>::max()));
+    return text;
+  }
+};
 
 // Slicing-by-8 tables of the reflected Castagnoli polynomial, built at compile time: t[0] is the classic
 // byte-at-a-time table, t[i][b] = the CRC of byte b followed by i zero bytes.
@@ -279,6 +309,13 @@ void pack_weight_int4(const MicroKernel& kernel, const int8_t* q, int64_t n, int
         throw std::invalid_argument("scale: fp16 storage holds only fp16 values; row " +
                                     std::to_string(i / sizes.groups) + ", group " + std::to_string(i % sizes.groups) +
                                     " is not one (store the scales as fp32)");
+  for (int64_t row = 0; row < n; ++row) {
+    Int4SumBound sums;
+    for (int64_t g = 0; g < sizes.groups; ++g)
+      sums.add(scales[row * sizes.groups + g], mins ? mins[row * sizes.groups + g] : 0.f);
+    const std::string problem = sums.problem(row, sizes.group, sizes.groups);
+    if (!problem.empty()) throw std::invalid_argument(std::string(mins ? "scale, minimum: " : "scale: ") + problem);
+  }
   write_header(kernel, n, k, format, sizes, blob);
   uint8_t* panels = blob + sizeof(PackedWeightHeader);
   parallel_for(0, sizes.n_padded / nr, 1, [&](int64_t p0, int64_t p1) {
@@ -389,6 +426,7 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
       const int64_t per_kind = w.groups * nr, values = per_kind * (w.has_mins() ? 2 : 1);
       const auto* scales = reinterpret_cast<const uint8_t*>(panel + w.nibble_bytes);
       const bool half_scales = w.int4_groups().half_scales;
+      Int4SumBound sums[kMaxPanelWidth];
       for (int64_t v = 0; v < values; ++v) {
         const float value = v < per_kind ? load_group_scale(scales, half_scales, v)
                                          : load_group_scale(scales + w.scale_bytes, false, v - per_kind);
@@ -397,6 +435,11 @@ void verify_packed_weight(const PackedWeightView& w, const char* arg) {
           throw_corrupted(arg, std::string(channel >= h.n ? "padded channel's group scale is not 0"
                                                           : "group scale or minimum is NaN or Inf") +
                                    " (channel " + std::to_string(channel) + ")");
+        sums[v % nr].add(v < per_kind ? value : 0.f, v < per_kind ? 0.f : value);
+      }
+      for (int j = 0; j < nr; ++j) {
+        const std::string problem = sums[j].problem(p * nr + j, w.group, w.groups);
+        if (!problem.empty()) throw_corrupted(arg, problem);
       }
     } else {
       std::fill(acc, acc + group, 0);

@@ -422,8 +422,13 @@ def pack_experts_int4(q: torch.Tensor, scale: torch.Tensor, minimum: Optional[to
             raise ValueError(f"{name}: expected [{q.shape[0]}, N, groups] (one row of group values per expert), got "
                              f"{tuple(getattr(t, 'shape', ()))}")
     half = fp16_values(scale)  # one storage for every expert: their blobs stack into one tensor
-    return torch.stack([pack_weight_int4(q[e], scale[e], None if minimum is None else minimum[e], group_size, half)
-                        for e in range(q.shape[0])])
+    blobs = []
+    for e in range(q.shape[0]):
+        try:
+            blobs.append(pack_weight_int4(q[e], scale[e], None if minimum is None else minimum[e], group_size, half))
+        except ValueError as error:
+            raise ValueError(f"expert {e}: {error}") from None
+    return torch.stack(blobs)
 
 
 def fused_experts(

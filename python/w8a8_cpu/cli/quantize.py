@@ -37,6 +37,11 @@ ACTIVATIONS = {"dynamic": "int8 dynamic per-token activations",
 ACTIVATION_SCHEMES = {"dynamic": DYNAMIC, "static": W8A8_STATIC.activations,
                       "static-asymmetric": W8A8_STATIC_ASYMMETRIC.activations}
 ROUNDINGS = {"gptq": "gptq", "rtn": "nearest"}  # --rounding -> WeightScheme.rounding
+# The calibration text is read in prefixes of these many bytes a needed token (English text: ~5), the last one the
+# most read; TOKEN_MARGIN more tokens than needed in a prefix keep an end token (EOS) out of the ones used.
+PREFIX_BYTES_PER_TOKEN = (8, 32, 64)
+MAX_BYTES_PER_TOKEN = PREFIX_BYTES_PER_TOKEN[-1]
+TOKEN_MARGIN = 8
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", re.IGNORECASE)
 
 
@@ -129,11 +134,31 @@ def quant_scheme(args, parser) -> QuantScheme:
 
 
 def _tokens(tokenizer, path: Path, count: int) -> torch.Tensor:
-    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), return_tensors="pt")["input_ids"][0]
-    if ids.numel() < count:
-        raise CommandError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
-                           f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
-    return ids[:count]
+    """The first `count` token ids of the calibration text, read only as far as they need: a prefix of the file, grown
+    PREFIX_BYTES_PER_TOKEN times `count` bytes at a time up to MAX_BYTES_PER_TOKEN, cut before the whitespace that
+    ends its last word, so that its tokens are the whole file's (a tokenizer splits words at whitespace first). The
+    whole file was read and tokenized: a 1 GB one aborted the process, 100 MB ended in a tokenizer panic after 17 s."""
+    for bytes_per_token in PREFIX_BYTES_PER_TOKEN:
+        size = count * bytes_per_token
+        with open(path, "rb") as f:
+            data = f.read(size + 1)
+        if b"\0" in data:
+            raise CommandError(f"--calibration {path}: a NUL byte at offset {data.index(0)}: not a text file")
+        whole = len(data) <= size
+        text = data.decode("utf-8", errors="replace")
+        if not whole:  # up to the whitespace before its last word (possibly cut): no word cut short
+            words = text.rsplit(None, 1)
+            text = words[0] if len(words) == 2 else text
+        ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
+        if ids.numel() >= count + TOKEN_MARGIN or (whole and ids.numel() >= count):
+            return ids[:count]
+        if whole:
+            raise CommandError(f"--calibration {path}: {ids.numel()} tokens, fewer than the {count} needed "
+                               f"(--calibration-tokens + --held-out-tokens); give a longer text or fewer tokens")
+    raise CommandError(f"--calibration {path}: its first {size} bytes hold {ids.numel()} tokens; {count} "
+                       f"(--calibration-tokens + --held-out-tokens) and {TOKEN_MARGIN} beyond them are needed, and a "
+                       f"calibration text is read up to {MAX_BYTES_PER_TOKEN} bytes a token: give one with fewer blanks "
+                       f"or repeats")
 
 
 def _held_out(models: Dict[str, torch.nn.Module], ids: torch.Tensor) -> Dict[str, dict]:

@@ -17,6 +17,7 @@ contributor, so the sum is exact), and the slots are added in order as fused_exp
 exact=False selects the usual scheme for comparison: per-rank scales and one fp32 all-reduce of partial outputs."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import json
@@ -99,6 +100,8 @@ def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
                             world_size=world_size, timeout=timeout)
     _timeout_s = timeout_s
     _finish_store = dist.PrefixStore(f"w8a8_cpu/finish/{attempt}", store)
+    atexit.unregister(_leave_at_exit)  # one call at exit, however many times init() ran
+    atexit.register(_leave_at_exit)
     return dist.group.WORLD
 
 
@@ -140,9 +143,14 @@ def finish(group=None) -> None:
     interpreter shutdown, where freeing them from gloo's threads takes the GIL and aborts the process (the same
     message; seen rarely, 1 in ~250 local launches and once in CI, in a test whose ranks raise and catch
     ValueErrors): a collection first frees them while the interpreter is whole."""
-    global _finish_store
     gc.collect()
     _collective("final barrier", lambda: dist.barrier(group=group))
+    _leave(group)
+
+
+def _leave(group=None) -> None:
+    """finish() after its barrier: the groups torn down in order, rank 0 last."""
+    global _finish_store
     whole_world = group is None or group is dist.group.WORLD
     if _finish_store is None or not whole_world:
         dist.destroy_process_group(group)
@@ -163,6 +171,21 @@ def finish(group=None) -> None:
     # destroyed group (the first one ran while it was still registered and alive)
     _finish_store = None
     gc.collect()
+
+
+def _leave_at_exit() -> None:
+    """A process that exits with init()'s group still up (an agreement check's ValueError left uncaught, any error
+    before finish()) leaves it as finish() does, without the barrier (a rank that failed alone would wait there for
+    the timeout, then fail): torch tore it down after the interpreter, where a thread of the group still running
+    aborted the process (SIGABRT, "terminate called without an active exception": 1 in ~20 launches of 2 ranks exiting
+    on load_sharded's ValueError, issue 50). Rank 0 waits for the others to leave, at most the group's timeout."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    try:
+        _leave()
+    except RuntimeError:  # the store already gone (rank 0 died): nothing left to order
+        pass
 
 
 def _collective(what: str, fn, *tensors: torch.Tensor) -> None:

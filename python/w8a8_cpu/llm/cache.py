@@ -103,7 +103,11 @@ def _locked(path: Path, mode: int, waiting: Optional[Callable[[], None]] = None)
 
 
 def _checked_root(where: Path) -> Path:
-    """The cache root, created if missing; a root that is not a directory raises ValueError naming it."""
+    """The cache root, created if missing; a root that is a link (not followed: whoever can change it chooses what
+    is loaded) or not a directory raises ValueError naming it."""
+    if where.is_symlink():
+        raise ValueError(f"{where}: the cache root is a symbolic link (to {os.readlink(where)!r}), which the cache does "
+                         f"not follow; set W8A8_CPU_CACHE to the directory itself")
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -176,14 +176,31 @@ class Decoder:
             return
         first = self.layers[0]
         dtype = {"fp16": torch.float16, "int8": torch.int8}.get(self.kv_cache, self.dtype)
-        self.k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
-        self.v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
-        # int8: each row's scale (per token and KV head); [] otherwise, as decode_step_ takes them
-        scales = self.kv_cache == "int8"
-        self.k_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
-        self.v_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
-        probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
-        cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
+        element = self.dtype.itemsize
+        # keys and values of every layer (and their scales), and the rotary tables (fp32 cos and sin, and the
+        # rotary's own output)
+        needed = self.kv_bytes(length) + length * first.head_dim * (8 + 2 * element)
+        what = f"{length} positions needs {needed} bytes ({len(self.layers)} layers, {self.kv_cache or self.dtype} KV)"
+        available = _memory_available()
+        if available is not None and needed > available:
+            raise ValueError(f"length: a KV cache of {what}, more than the {available} bytes this process can still "
+                             f"allocate; ask for fewer positions (prompt + new_tokens)")
+        self.k_cache = self.v_cache = None  # the old cache's memory free for the new one
+        self.k_scale = self.v_scale = []
+        self._cache_len = 0
+        scales = self.kv_cache == "int8"  # each row's scale (per token and KV head); [] otherwise, as decode_step_
+        try:
+            k_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
+            v_cache = [torch.zeros(l.kv_heads, length, l.head_dim, dtype=dtype) for l in self.layers]
+            k_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
+            v_scale = [torch.zeros(l.kv_heads, length) for l in self.layers] if scales else []
+            probe = torch.zeros(1, 1, first.head_dim, dtype=self.dtype)
+            cos, sin = self.rotary(probe, torch.arange(length).unsqueeze(0))
+        except RuntimeError as e:  # the allocator's refusal (memory counted by another process meanwhile)
+            raise ValueError(f"length: a KV cache of {what}, which cannot be allocated "
+                             f"({' '.join(str(e).split())[:200]}); ask for fewer positions (prompt + new_tokens)"
+                             ) from None
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = k_cache, v_cache, k_scale, v_scale
         self.cos, self.sin = cos[0].float().contiguous(), sin[0].float().contiguous()  # [length, head_dim]
         self._cache_len = length
 
@@ -369,6 +386,24 @@ def _one_op_step_layers(layers: List[_Layer], final_norm: _RMSNorm) -> bool:
     return True
 
 
+def _memory_available() -> Optional[int]:
+    """Bytes this process can still allocate, as far as it can tell (None: it cannot): the system's available memory
+    (/proc/meminfo's MemAvailable) and the room left under an address-space limit (RLIMIT_AS), the smaller one."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as meminfo:
+            limits += [int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")]
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as statm:
+                limits.append(soft - int(statm.read().split()[0]) * resource.getpagesize())
+    except (OSError, ValueError, IndexError):
+        pass
+    return min(limits) if limits else None
+
+
 def _dtype(model: torch.nn.Module) -> torch.dtype:
     """The model's float dtype, as its first norm holds it: the KV cache's and the rotary tables'."""
     return model.model.layers[0].input_layernorm.weight.dtype
@@ -381,8 +416,11 @@ def _parts(model: torch.nn.Module) -> list:
     parts = [inner.embed_tokens, inner.norm, model.lm_head, inner.rotary_emb]
     for layer in inner.layers:
         attn = layer.self_attn
-        parts += [layer, layer.input_layernorm, layer.post_attention_layernorm, attn, attn.q_proj, attn.k_proj,
-                  attn.v_proj, attn.o_proj, layer.mlp]
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        parts += [layer, layer.input_layernorm, layer.post_attention_layernorm, attn, *projections, attn.o_proj,
+                  layer.mlp]
+        # the fused layer a slice reads (_Layer calls q_proj.fused itself: a new one was left out, silently)
+        parts += [getattr(p, "fused", None) for p in projections]
     return parts
 
 

@@ -105,7 +105,11 @@ class _Loader:
         values = self._int4_values(layer, args, *module.weight.shape)
         bias = None if module.bias is None else self.tensors.floating(f"{layer}.bias", module.bias.shape,
                                                                       torch.float32)
-        replace_module(self.model, name, W4A8Linear(*values, args.group_size, bias))
+        try:
+            packed = W4A8Linear(*values, args.group_size, bias)
+        except ValueError as e:  # the packer's bounds on the scales (their fp32 group sum)
+            raise ValueError(f"{self.tensors._where(f'{layer}.weight_scale')} cannot be packed: {e}") from None
+        replace_module(self.model, name, packed)
 
     def linear(self, name: str, module: torch.nn.Linear, shard=None) -> None:
         layer = self.naming.checkpoint_name(name)
@@ -209,7 +213,11 @@ class _Loader:
         w13 = [stacked((0, 1), value) for value in range(3)]
         w2 = [stacked((2,), value) for value in range(3)]
         _require_fusable(name, module, w13[0][0], w2[0][0])
-        replace_module(self.model, name, W4A8Experts(*w13, *w2, args.group_size))
+        try:
+            packed = W4A8Experts(*w13, *w2, args.group_size)
+        except ValueError as e:  # the packer's bounds on the scales (their fp32 group sum)
+            raise ValueError(f"{name}: the experts' weight_scale cannot be packed: {e}") from None
+        replace_module(self.model, name, packed)
 
     def remaining(self, tied: Sequence[str]) -> None:
         """Every parameter still on the meta device (norms, embeddings, routers, float layers' biases) from its

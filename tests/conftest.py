@@ -111,6 +111,16 @@ def alarm(seconds: int, what: str):
         signal.signal(signal.SIGALRM, previous)
 
 
+def deadline_fixture(seconds: int, what: str = "blocked"):
+    """An autouse fixture that bounds each test of the module that assigns it by alarm(seconds, what):
+    `deadline = deadline_fixture(20)`."""
+    @pytest.fixture(autouse=True, name="deadline")
+    def bounded():
+        with alarm(seconds, what):
+            yield
+    return bounded
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

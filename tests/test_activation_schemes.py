@@ -14,6 +14,7 @@ import w8a8_cpu
 from w8a8_cpu import reference
 from w8a8_cpu._functions import MAX_K_ZERO_POINT, quantize_activations, weight_channel_sums
 from w8a8_cpu.nn import W8A8Linear, fuse_projections, quantize_model
+from tiny_models import logits, tiny_causal_lm, token_ids
 
 STATIC = dict(input_scale=torch.tensor([0.04]))
 STATIC_ASYMMETRIC = dict(input_scale=torch.tensor([0.05]), input_zero_point=torch.tensor([-20]),
@@ -189,14 +190,6 @@ def test_state_dict_half_and_reload():
         other.load_state_dict(state)
 
 
-def tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=256, intermediate_size=96)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 def with_schemes(model):
     """Layer 0's q/k/v static symmetric (one scale: they read one input), its o_proj static asymmetric, layer 1's
     down_proj dynamic asymmetric; the rest dynamic per-token symmetric."""
@@ -211,20 +204,14 @@ def with_schemes(model):
     return model
 
 
-def token_ids():
-    return torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(7))
-
-
 def test_fusion_leaves_static_and_asymmetric_layers_apart():
-    model = with_schemes(quantize_model(tiny_llama(), skip=["lm_head"]))
-    with torch.no_grad():
-        before = model(token_ids()).logits
+    model = with_schemes(quantize_model(tiny_causal_lm(), skip=["lm_head"]))
+    before = logits(model)
     fused = fuse_projections(model)
     assert fused["attention"] == ["model.layers.1.self_attn"]  # layer 0's q/k/v are static: not fused
     assert model.model.layers[0].self_attn.q_proj.activation_scheme == "tensor"
     assert model.model.layers[1].mlp.down_proj.activation_scheme == "token-asymmetric"  # the fused MLP's down_proj
-    with torch.no_grad():
-        after = model(token_ids()).logits
+    after = logits(model)
     assert (after - before).abs().max() <= 1e-3 * before.abs().max()  # only the fused SiLU's last bits differ
 
 
@@ -247,7 +234,7 @@ def checkpoint_functions():
 def test_checkpoint_round_trip(tmp_path):
     load_quantized, save_compressed = checkpoint_functions()
     from safetensors.torch import load_file
-    model = with_schemes(quantize_model(tiny_llama(), skip=["lm_head"]))
+    model = with_schemes(quantize_model(tiny_causal_lm(), skip=["lm_head"]))
     save_compressed(model, tmp_path)
     groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
     by_kind = {(g["input_activations"]["strategy"], g["input_activations"]["dynamic"],
@@ -268,8 +255,7 @@ def test_checkpoint_round_trip(tmp_path):
             assert again.activation_scheme == module.activation_scheme, name
             assert torch.equal(again.input_scale if again.input_scale is not None else torch.zeros(0),
                                module.input_scale if module.input_scale is not None else torch.zeros(0)), name
-    with torch.no_grad():
-        assert torch.equal(loaded(token_ids()).logits, model(token_ids()).logits)
+    assert torch.equal(logits(loaded), logits(model))
 
 
 def compressed_tensors_static_checkpoint(directory, symmetric):
@@ -280,13 +266,12 @@ def compressed_tensors_static_checkpoint(directory, symmetric):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
-    model = tiny_llama()
+    model = tiny_causal_lm()
     ranges = {}
     hooks = [module.register_forward_pre_hook(
         lambda module, args, name=name: ranges.__setitem__(name, (args[0].min(), args[0].max())))
         for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    with torch.no_grad():
-        model(token_ids())
+    logits(model)
     for hook in hooks:
         hook.remove()
     scheme = QuantizationScheme(
@@ -327,8 +312,7 @@ def test_compressed_tensors_written_static_checkpoint_loads(symmetric, tmp_path)
     assert torch.equal(o_proj.input_scale, stored["model.layers.0.self_attn.o_proj.input_scale"])
     if not symmetric:
         assert int(o_proj.input_zero_point) == int(stored["model.layers.0.self_attn.o_proj.input_zero_point"])
-    with torch.no_grad():
-        got, want = loaded(token_ids()).logits, ct_model(token_ids()).logits
+    got, want = logits(loaded), logits(ct_model)
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
@@ -336,7 +320,7 @@ def test_compressed_tensors_written_static_checkpoint_loads(symmetric, tmp_path)
 def saved_static(tmp_path_factory):
     _, save_compressed = checkpoint_functions()
     directory = tmp_path_factory.mktemp("static")
-    save_compressed(with_schemes(quantize_model(tiny_llama(), skip=["lm_head"])), directory)
+    save_compressed(with_schemes(quantize_model(tiny_causal_lm(), skip=["lm_head"])), directory)
     return directory
 
 
@@ -392,7 +376,7 @@ def test_static_activations_refused_where_the_kernels_lack_them(tmp_path):
     """Fused MoE experts and int4 layers take dynamic per-token symmetric activations only; a group saying
     otherwise is refused naming it."""
     load_quantized, save_compressed = checkpoint_functions()
-    model = quantize_model(tiny_llama(), skip=["lm_head"], scheme="w4a8")
+    model = quantize_model(tiny_causal_lm(), skip=["lm_head"], scheme="w4a8")
     save_compressed(model, tmp_path)
 
     def static(groups):
@@ -410,12 +394,11 @@ def test_calibrate_static_activations(symmetric):
     clipped, so the logits stay close to the dynamic model's."""
     pytest.importorskip("safetensors")
     from w8a8_cpu.llm import calibrate_static_activations
-    model = quantize_model(tiny_llama(), skip=["lm_head"])
+    model = quantize_model(tiny_causal_lm(), skip=["lm_head"])
     inputs_seen = {}
     q_proj = model.model.layers[0].self_attn.q_proj
     hook = q_proj.register_forward_pre_hook(lambda m, args: inputs_seen.setdefault("x", args[0].detach().clone()))
-    with torch.no_grad():
-        dynamic = model(token_ids()).logits
+    dynamic = logits(model)
     hook.remove()
     made_static = calibrate_static_activations(model, token_ids(), symmetric=symmetric)
     assert len(made_static) == 2 * 7 and "model.layers.0.self_attn.q_proj" in made_static
@@ -428,8 +411,7 @@ def test_calibrate_static_activations(symmetric):
         scale, zero = float(q_proj.input_scale), int(q_proj.input_zero_point)
         assert scale == pytest.approx((float(x.max()) - float(x.min())) / 255, rel=1e-6)
         assert -128 <= round(float(x.min()) / scale) + zero and round(float(x.max()) / scale) + zero <= 127
-    with torch.no_grad():
-        static = model(token_ids()).logits
+    static = logits(model)
     assert (static - dynamic).abs().max() <= 0.05 * dynamic.abs().max()
     with pytest.raises(ValueError, match="calibration: batch 0: expected non-empty integer token ids"):
-        calibrate_static_activations(quantize_model(tiny_llama(), skip=["lm_head"]), torch.zeros(2, 3))
+        calibrate_static_activations(quantize_model(tiny_causal_lm(), skip=["lm_head"]), torch.zeros(2, 3))

@@ -7,17 +7,13 @@ import torch
 
 import w8a8_cpu
 from test_moe import make_int4_moe, make_moe
+from tiny_models import dequantized_int8
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.library, "register_autograd"),
                                 reason=f"autograd formulas need torch >= 2.4 (this is torch {torch.__version__})")
 
 # Ours and the reference are the same fp32 math in a different summation order.
 FP32_TOL = dict(rtol=1e-5, atol=1e-4)
-
-
-def dequantized(w_q, w_scale):
-    """w_int8 * w_scale per output channel: [N, K] with [N], or experts [E, N, K] with [E, N]."""
-    return w_q.float() * w_scale.unsqueeze(-1)
 
 
 def float_moe(hidden, w13, w2, topk_weights, topk_ids, on_input=False):
@@ -48,7 +44,7 @@ def test_linear_input_grad_matches_float_linear(dtype, packed, gen):
     grad_out = torch.randn(y.shape, generator=gen).to(dtype)
     y.backward(grad_out)
     x_float = x.detach().float().requires_grad_()
-    torch.nn.functional.linear(x_float, dequantized(w_q, w_scale), bias).backward(grad_out.float())
+    torch.nn.functional.linear(x_float, dequantized_int8(w_q, w_scale), bias).backward(grad_out.float())
     assert x.grad.dtype == dtype and x.grad.shape == x.shape
     # bf16: the fp32 gradient is rounded once to bf16, where a summation-order difference can move it one step.
     tol = FP32_TOL if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-4)
@@ -62,7 +58,7 @@ def test_module_before_a_w8a8_linear_learns(gen):
     w_q, w_scale = w8a8_cpu.quantize_weight(last.weight)
     reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
     reference[0].load_state_dict(first.state_dict())
-    reference[2].weight.data, reference[2].bias.data = dequantized(w_q, w_scale), last.bias.detach().clone()
+    reference[2].weight.data, reference[2].bias.data = dequantized_int8(w_q, w_scale), last.bias.detach().clone()
     x = torch.randn(6, 16, generator=gen)
     model(x).sum().backward()  # d loss / d out = 1: the same upstream gradient as the float model's
     reference(x).sum().backward()
@@ -126,7 +122,7 @@ def test_static_and_asymmetric_activations_have_the_straight_through_gradient(sc
     (x + layer(x)).sum().backward()
     w_q, w_scale = w8a8_cpu.quantize_weight(linear.weight)
     x_float = x.detach().clone().requires_grad_()
-    (x_float + torch.nn.functional.linear(x_float, dequantized(w_q, w_scale), linear.bias)).sum().backward()
+    (x_float + torch.nn.functional.linear(x_float, dequantized_int8(w_q, w_scale), linear.bias)).sum().backward()
     torch.testing.assert_close(x.grad, x_float.grad, **FP32_TOL)
 
 
@@ -163,7 +159,7 @@ def test_fused_experts_grads_match_float_moe(on_input, topk, experts, gen):
     else:
         a = make_moe(6, 64, 32, 4, topk, gen, dtype=torch.float32)
         w13, w2 = w8a8_cpu.pack_moe_weights(a["w13"], a["w2"]) if experts == "packed" else (a["w13"], a["w2"])
-        float_w13, float_w2 = dequantized(a["w13"], a["w13_scale"]), dequantized(a["w2"], a["w2_scale"])
+        float_w13, float_w2 = dequantized_int8(a["w13"], a["w13_scale"]), dequantized_int8(a["w2"], a["w2_scale"])
     hidden, weights = a["hidden"].requires_grad_(), a["topk_weights"].requires_grad_()
     out = w8a8_cpu.fused_experts(hidden, w13, w2, weights, a["topk_ids"], a["w13_scale"], a["w2_scale"], "silu",
                                  on_input)
@@ -193,7 +189,7 @@ def test_w8a8_moe_passes_gradients_to_input_and_router(gen):
 def expert_weights_as_quantized(w):
     """Float experts [E, N, K] -> the dequantized weights a W8A8MoE built from them holds (per output channel)."""
     w_q, w_scale = w8a8_cpu.quantize_weight(w.reshape(-1, w.shape[-1]))
-    return dequantized(w_q, w_scale).reshape(w.shape)
+    return dequantized_int8(w_q, w_scale).reshape(w.shape)
 
 
 def test_fused_experts_frozen_scales_raise(gen):

@@ -16,6 +16,7 @@ from w8a8_cpu.cli.baselines import ctranslate2_int8
 from w8a8_cpu.llm.cache import MARKER
 from w8a8_cpu.cli.timing import Progress
 from w8a8_cpu.llm import smollm2
+from tiny_models import tiny_causal_lm
 
 QUIET = Progress(1, enabled=False)
 
@@ -316,12 +317,7 @@ def test_tiny_llama_engines_without_the_peer(monkeypatch):
     """build_engines + sweep on a tiny random Llama: the transformers engines and the fast path (the Decoder over a
     W8A8 model of its own, int8 output layer, fused) really generate and prefill; a missing ctranslate2 is a row
     not run, with its reason."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_causal_lm(tied=True, intermediate_size=128, max_position_embeddings=128)
     monkeypatch.setitem(sys.modules, "ctranslate2", None)
     unavailable = {}
     engines, ct2_dir = bench_llm.build_engines(model, QUIET, unavailable, kv_caches=["fp32", "int8"])

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import alarm
+from conftest import deadline_fixture
 from w8a8_cpu.llm import cache
 
 KEY = {"format": 1, "source": "abc"}
@@ -24,10 +24,7 @@ def root(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.fixture(autouse=True)
-def deadline():
-    with alarm(20, "the cache blocked"):
-        yield
+deadline = deadline_fixture(20, "the cache blocked")
 
 
 class Builder:

@@ -23,33 +23,22 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from w8a8_cpu.llm.checkpoint import INDEX_FILE, SINGLE_FILE, load_quantized, save_compressed  # noqa: E402
+from tiny_models import (LLM_SKIP, MOE_ARCHITECTURES, TINY, dequantized_int8, logits,  # noqa: E402
+                         tiny_causal_lm)
 
-SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]  # the usual LLM choice: lm_head and MoE routers stay float
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96)
-CONFIGS = {
-    "llama-tied": lambda: transformers.LlamaConfig(intermediate_size=96, tie_word_embeddings=True, **COMMON),
-    "qwen2": lambda: transformers.Qwen2Config(intermediate_size=96, tie_word_embeddings=False, **COMMON),
-    "mixtral": lambda: transformers.MixtralConfig(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
-                                                  **COMMON),
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(num_experts=4, shared_expert_intermediate_size=96, **MOE,
-                                                     **COMMON),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, head_dim=16, **MOE, **COMMON),
+MODELS = {  # test id: tiny_causal_lm's arguments
+    "llama-tied": dict(arch="llama", tied=True),
+    "qwen2": dict(arch="qwen2"),
+    "mixtral": dict(arch="mixtral", intermediate_size=48),
+    "qwen2_moe": dict(arch="qwen2_moe"),
+    "qwen3_moe": dict(arch="qwen3_moe"),
 }
-MOE_ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 SHARD_BYTES = 24_000  # splits every tiny model into several shards
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 
-def float_model(arch, dtype=torch.float32):
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=dtype).eval()
-
-
-def logits(model):
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        return model(ids).logits
+def float_model(name, dtype=torch.float32):
+    return tiny_causal_lm(**MODELS[name], dtype=dtype)
 
 
 def stored(directory):
@@ -61,16 +50,16 @@ def stored(directory):
     return tensors
 
 
-def dequantized(model):
+def dequantized_weights(model):
     """Float weights int8 * scale of every W8A8 layer, by module name (experts fused as in transformers 5)."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, W8A8Linear):
-            out[f"{name}.weight"] = module.int8_weight().float() * module.w_scale[:, None]
+            out[f"{name}.weight"] = dequantized_int8(module.int8_weight(), module.w_scale)
         elif isinstance(module, W8A8Experts):
             w13, w2 = module.int8_weights()
-            out[f"{name}.gate_up_proj"] = w13.float() * module.w13_scale[..., None]
-            out[f"{name}.down_proj"] = w2.float() * module.w2_scale[..., None]
+            out[f"{name}.gate_up_proj"] = dequantized_int8(w13, module.w13_scale)
+            out[f"{name}.down_proj"] = dequantized_int8(w2, module.w2_scale)
     return out
 
 
@@ -81,7 +70,7 @@ def quantized():
 
     def get(arch):
         if arch not in cache:
-            cache[arch] = quantize_model(float_model(arch), skip=SKIP)
+            cache[arch] = quantize_model(float_model(arch), skip=LLM_SKIP)
         return cache[arch]
     return get
 
@@ -89,7 +78,7 @@ def quantized():
 # ---- round trips -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shard_bytes", [None, SHARD_BYTES], ids=["single", "sharded"])
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", list(MODELS))
 def test_round_trip_logits_bit_identical(arch, shard_bytes, quantized, tmp_path):
     model = quantized(arch)
     save_compressed(model, tmp_path, max_shard_bytes=shard_bytes)
@@ -107,7 +96,7 @@ def test_round_trip_logits_bit_identical(arch, shard_bytes, quantized, tmp_path)
 
 def test_float_experts_round_trip(tmp_path):
     """Experts left float by quantize_model are stored per expert in float and stacked back on load."""
-    model = quantize_model(float_model("qwen3_moe"), skip=SKIP + ["*.experts"])
+    model = quantize_model(float_model("qwen3_moe"), skip=LLM_SKIP + ["*.experts"])
     save_compressed(model, tmp_path)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.experts.3.down_proj" in qc["ignore"]
@@ -118,7 +107,7 @@ def test_float_experts_round_trip(tmp_path):
 
 def test_bfloat16_model_round_trip(tmp_path):
     # built in bfloat16 as from_pretrained would: model.to(bfloat16) would also round the rotary inv_freq buffer
-    model = quantize_model(float_model("qwen2", torch.bfloat16), skip=SKIP)
+    model = quantize_model(float_model("qwen2", torch.bfloat16), skip=LLM_SKIP)
     save_compressed(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = load_quantized(tmp_path)
@@ -148,7 +137,7 @@ def test_written_config_and_layout(quantized, tmp_path):
     assert (tmp_path / "generation_config.json").exists()
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_tensor_names_match_transformers_save_pretrained(arch, quantized, tmp_path):
     """Our names are those transformers 5 itself writes for the float model (per-expert MoE names included)."""
     float_model(arch).save_pretrained(tmp_path / "float")
@@ -196,7 +185,7 @@ def test_load_never_creates_float_weights_of_quantized_layers(quantized, tmp_pat
     assert not quantized_shapes & float_shapes  # the spy below could not tell them apart
     with _FloatTensorSpy() as spy:
         loaded = load_quantized(tmp_path)
-    assert (COMMON["vocab_size"], COMMON["hidden_size"]) in spy.shapes  # it does see the float tensors loaded
+    assert (TINY["vocab_size"], TINY["hidden_size"]) in spy.shapes  # it does see the float tensors loaded
     assert not spy.shapes & quantized_shapes
     float_bytes = sum(p.numel() * p.element_size() for p in loaded.parameters())
     assert float_bytes == sum(p.numel() * p.element_size() for p in model.parameters())  # embeddings, norms, routers
@@ -214,7 +203,7 @@ def test_transformers_compressed_tensors_dequantizes_ours(arch, quantized, tmp_p
     ct = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
     weights = ct.state_dict()
-    for name, want in dequantized(model).items():
+    for name, want in dequantized_weights(model).items():
         assert torch.equal(weights[name], want), name
     assert torch.isfinite(logits(ct)).all()
 
@@ -236,7 +225,7 @@ def test_compressed_tensors_converter_dequantizes_our_moe(arch, quantized, tmp_p
     assert not any(k.endswith("_scale") for k in stored(tmp_path / "float"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float")
     weights = reloaded.state_dict()
-    for name, want in dequantized(model).items():
+    for name, want in dequantized_weights(model).items():
         assert torch.equal(weights[name], want), name
     assert torch.isfinite(logits(reloaded)).all()
 
@@ -616,7 +605,7 @@ def test_save_refuses_bad_shard_size(quantized, tmp_path):
 
 
 def test_save_refuses_unknown_moe_naming(tmp_path):
-    model = quantize_model(float_model("qwen3_moe"), skip=SKIP)
+    model = quantize_model(float_model("qwen3_moe"), skip=LLM_SKIP)
     model.config = copy.deepcopy(model.config)
     model.config.model_type = "olmoe"  # fused experts whose per-expert names this module does not know
     with pytest.raises(ValueError, match="per-expert checkpoint naming of model_type 'olmoe' is unknown"):
@@ -686,11 +675,6 @@ def test_malformed_int8_embedding_flag_refused(entry, tmp_path):
 
 # ---- files that are not what they claim (reliability round 2) ---------------------------------------------------
 
-def deadline(seconds=20):
-    """A regression that blocks (a FIFO opened for reading) fails the test instead of hanging the suite."""
-    return alarm(seconds, "blocked")
-
-
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", INDEX_FILE])
 @pytest.mark.parametrize("odd,message", [("fifo", "is not a regular file"), ("/dev/zero", "is not a regular file"),
                                          ("deep", "nested too deeply"), ("digits", "cannot be read as JSON"),
@@ -711,7 +695,7 @@ def test_odd_json_files_refused_naming_them(sharded, name, odd, message):
     else:
         with open(path, "wb") as f:
             f.truncate((1 << 26) + 1)
-    with deadline(), pytest.raises(ValueError, match=rf"{re.escape(name)}: .*{message}"):
+    with alarm(20, "blocked"), pytest.raises(ValueError, match=rf"{re.escape(name)}: .*{message}"):
         load_quantized(sharded)
 
 
@@ -790,7 +774,7 @@ def test_exponential_regex_targets_refused(checkpoint, pattern):
     config = json.loads((checkpoint / "config.json").read_text())
     config["quantization_config"]["ignore"] = [pattern]
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with deadline(), pytest.raises(ValueError, match=r"ignore entry .* repeats a group that itself repeats"):
+    with alarm(20, "blocked"), pytest.raises(ValueError, match=r"ignore entry .* repeats a group that itself repeats"):
         load_quantized(checkpoint)
 
 
@@ -810,7 +794,8 @@ def test_slow_or_uncompilable_regex_targets_refused(checkpoint, entries, message
     config = json.loads((checkpoint / "config.json").read_text())
     config["quantization_config"]["ignore"] = entries
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with deadline(), pytest.raises(ValueError, match=r"config.json quantization_config: ignore .*" + re.escape(message)):
+    with alarm(20, "blocked"), pytest.raises(ValueError,
+                                             match=r"config.json quantization_config: ignore .*" + re.escape(message)):
         load_quantized(checkpoint)
 
 
@@ -822,7 +807,7 @@ def test_real_world_regex_targets_load(checkpoint):
         "lm_head", "re:.*vision_tower.*|.*multi_modal_projector.*|.*lm_head", "re:.*layers\\.\\d{2}\\.mlp\\.gate$",
         *[f"re:.*layers\\.\\d+\\..*(w[1-3]|gate_proj|up_proj|down_proj){i}$" for i in range(3)]]
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with deadline():
+    with alarm(20, "blocked"):
         load_quantized(checkpoint)
 
 
@@ -842,7 +827,8 @@ def test_model_specific_size_names_are_bounded(checkpoint):
     config = {"model_type": "gpt_neo", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 256,
               "attention_types": [[["global"], 10 ** 9]], "quantization_config": config["quantization_config"]}
     (checkpoint / "config.json").write_text(json.dumps(config))
-    with deadline(), pytest.raises(ValueError, match=r"config.json: attention_types must be \[\[kinds, count\], "):
+    with alarm(20, "blocked"), pytest.raises(ValueError,
+                                             match=r"config.json: attention_types must be \[\[kinds, count\], "):
         load_quantized(checkpoint)
 
 
@@ -970,7 +956,7 @@ def test_w4a8_experts_round_trip_is_bit_identical(arch, symmetric, tmp_path):
     refused, naming the expert."""
     from w8a8_cpu.nn import W4A8Experts
 
-    model = quantize_model(float_model(arch), skip=SKIP, scheme="w4a8", group_size=32, symmetric=symmetric)
+    model = quantize_model(float_model(arch), skip=LLM_SKIP, scheme="w4a8", group_size=32, symmetric=symmetric)
     save_compressed(model, tmp_path / "q", max_shard_bytes=SHARD_BYTES)
     block = "block_sparse_moe.experts.3.w2" if arch == "mixtral" else "mlp.experts.3.down_proj"
     files = stored(tmp_path / "q")
@@ -1053,7 +1039,7 @@ def test_experts_whose_forward_clamps_are_refused_at_load(scheme, tmp_path, monk
     Mixtral's experts with a clamp patched into their forward."""
     from transformers.models.mixtral import modeling_mixtral
 
-    save_compressed(quantize_model(float_model("mixtral"), skip=SKIP, scheme=scheme), tmp_path)
+    save_compressed(quantize_model(float_model("mixtral"), skip=LLM_SKIP, scheme=scheme), tmp_path)
     plain = modeling_mixtral.MixtralExperts.forward
 
     def clamped(self, hidden_states, top_k_index, top_k_weights):

@@ -51,24 +51,21 @@ def _importable(module: str) -> bool:
 # ---- the child -------------------------------------------------------------------------------------------------
 
 def _base_checkpoints(root: Path) -> list:
-    import torch
     import transformers
 
+    from tiny_models import LLM_SKIP, tiny_causal_lm
     from w8a8_cpu.llm.checkpoint import save_compressed
     from w8a8_cpu.nn import quantize_model
 
     transformers.logging.set_verbosity_error()
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-    configs = {"llama": transformers.LlamaConfig(intermediate_size=48, tie_word_embeddings=True, **common),
-               "qwen2_moe": transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                                        shared_expert_intermediate_size=32, intermediate_size=48,
-                                                        **common)}
-    configs["llama-w4a8"] = configs["llama"]
+    smaller = dict(hidden_size=32, vocab_size=64, intermediate_size=48)
+    models = {"llama": dict(arch="llama", tied=True, **smaller),
+              "qwen2_moe": dict(arch="qwen2_moe", moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                **smaller)}
+    models["llama-w4a8"] = models["llama"]
     bases = []
-    for name, config in configs.items():
-        torch.manual_seed(0)
-        model = quantize_model(transformers.AutoModelForCausalLM.from_config(config).eval(),
-                               skip=["lm_head", "*.gate", "*shared_expert_gate"],
+    for name, arguments in models.items():
+        model = quantize_model(tiny_causal_lm(**arguments), skip=LLM_SKIP,
                                scheme="w4a8" if name.endswith("w4a8") else "w8a8")
         for shards in (None, 24 * 1024):
             folder = root / f"{name}-{'sharded' if shards else 'single'}"

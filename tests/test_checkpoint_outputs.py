@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import alarm, python_command
+from conftest import deadline_fixture, python_command
 from w8a8_cpu.nn import W8A8Linear, W8A8LinearSlice, quantize_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built from configs; nothing may be downloaded
@@ -23,29 +23,17 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from w8a8_cpu.llm.checkpoint import INDEX_FILE, SINGLE_FILE, load_quantized, save_compressed  # noqa: E402
 from w8a8_cpu.quant.static_activations import calibrate_static_activations  # noqa: E402
+from tiny_models import logits, tiny_causal_lm, token_ids  # noqa: E402
 
 VOCAB = 300
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 
-@pytest.fixture(autouse=True)
-def deadline():
-    with alarm(120, "blocked"):
-        yield
+deadline = deadline_fixture(120)
 
 
-def tiny(tie=True, dtype=torch.float32):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=VOCAB, intermediate_size=96,
-                                      tie_word_embeddings=tie)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
-def logits(model):
-    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        return model(ids).logits
+def tiny(tied=True):
+    return tiny_causal_lm(tied=tied, dtype=torch.float32, vocab_size=VOCAB)
 
 
 def contents(directory: Path) -> dict:
@@ -62,7 +50,7 @@ def quantized():
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_static_calibration_leaves_fused_layers_dynamic_and_round_trips(symmetric, tmp_path):
     model = quantize_model(tiny(), skip=["lm_head"], fuse=True)
-    calibration = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
+    calibration = token_ids(VOCAB, (1, 32), seed=1)
     made_static = calibrate_static_activations(model, calibration, symmetric=symmetric)
     behind_slices = [name for name, m in model.named_modules() if isinstance(m, W8A8LinearSlice)]
     assert behind_slices and not any(name.endswith(".fused") for name in made_static)
@@ -305,7 +293,7 @@ def test_quantize_command_on_a_hub_snapshot_and_into_an_odd_directory(tmp_path):
 # ---- what the writer and reader must agree on -------------------------------------------------------------------
 
 def test_lm_head_tied_by_hand_without_the_config_is_written_and_loads(tmp_path):
-    model = tiny(tie=False)
+    model = tiny(tied=False)
     model.lm_head.weight = model.model.embed_tokens.weight
     quantized = quantize_model(model, skip=["lm_head"])
     save_compressed(quantized, tmp_path)

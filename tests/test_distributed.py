@@ -18,16 +18,17 @@ import pytest
 import torch
 
 from conftest import communicate_all, python_command, require_optional
+from tiny_models import LLM_SKIP, tiny_causal_lm, token_ids
 
 pytestmark = pytest.mark.slow_under_emulation
 
 LAUNCH_TIMEOUT_S = 150
 DEAD_RANK_TIMEOUT_S = 10  # process-group timeout of the dead-rank case
-TINY_COMMON = dict(vocab_size=256, hidden_size=96, num_hidden_layers=2, num_attention_heads=12,
-                   num_key_value_heads=6, max_position_embeddings=128)
+# tiny_causal_lm's models with heads, KV heads, intermediate sizes and experts divisible by 2 and 3 (the rank counts)
+DIVISIBLE = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=128)
 CHECKPOINT_CASES = {"llama": "shard", "qwen2_moe": "replicate"}  # model -> attention option of load_sharded
 CHECKPOINT_SHARD_BYTES = 64 * 1024  # several safetensors files per tiny model
-TINY = {  # heads, KV heads, intermediate sizes and experts divisible by 2 and 3
+TINY = {
     "llama": dict(intermediate_size=192),
     "qwen2_moe": dict(intermediate_size=192, moe_intermediate_size=48, shared_expert_intermediate_size=96,
                       num_experts=6, num_experts_per_tok=4, decoder_sparse_step=1),
@@ -42,10 +43,7 @@ def _tiny_model(arch: str, **overrides):
     from w8a8_cpu.nn import quantize_model
 
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(arch, **{**TINY_COMMON, **TINY[arch], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    return quantize_model(model, skip=["lm_head", "*.gate", "*shared_expert_gate"])
+    return quantize_model(tiny_causal_lm(arch, **{**DIVISIBLE, **TINY[arch], **overrides}), skip=LLM_SKIP)
 
 
 def _logits_and_greedy(model, ids):
@@ -103,7 +101,7 @@ def case_layers(rank: int, world_size: int, out: Path) -> dict:
 
 
 def case_models(rank: int, world_size: int, out: Path) -> dict:
-    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(shape=(1, 20), seed=1)
     return {arch: _whole_model(_tiny_model(arch), ids, attention="shard") for arch in TINY}
 
 
@@ -171,7 +169,7 @@ def case_checkpoint(rank: int, world_size: int, out: Path) -> dict:
     from w8a8_cpu.llm import checkpoint
     from w8a8_cpu.llm.checkpoint import reader
 
-    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(shape=(1, 20), seed=1)
     results = {}
     for arch, attention in CHECKPOINT_CASES.items():
         directory = out / arch
@@ -258,7 +256,7 @@ def case_disagreeing_ranks(rank: int, world_size: int, out: Path) -> dict:
     errors["exact"] = _error_of(load("base", exact=False))
     errors["attention"] = _error_of(load("base", attention="replicate"))
     model, _ = distributed.load_sharded(base)
-    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    ids = token_ids(shape=(1, 12), seed=3)
     with torch.inference_mode():
         errors["token count"] = _error_of(lambda: model(ids[:, :11] if rank == 1 else ids))
         errors["token ids"] = _error_of(lambda: model(ids.flip(1) if rank == 1 else ids))

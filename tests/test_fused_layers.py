@@ -11,21 +11,17 @@ import w8a8_cpu
 from w8a8_cpu.nn import (W8A8Embedding, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, fuse_projections,
                          quantize_model)
 from conftest import intra_op_threads
+from tiny_models import tiny_causal_lm, token_ids
 
 transformers = pytest.importorskip("transformers")
+VOCAB = 300
 
 
-def tiny_llama(model_type="llama", tie=True, **overrides):
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[model_type]
-    settings = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                    tie_word_embeddings=tie)
-    if model_type != "llama":
-        settings["sliding_window"] = None
-    settings.update(overrides)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**settings)).eval()
+def random_norms_model(arch="llama", tied=True, **overrides):
+    """tiny_causal_lm of VOCAB tokens (qwen2 and mistral without a sliding window) with random norms."""
+    window = {} if arch == "llama" else dict(sliding_window=None)
+    model = tiny_causal_lm(arch, tied=tied, **{"vocab_size": VOCAB, "max_position_embeddings": 128, **window,
+                                               **overrides})
     with torch.no_grad():  # random norms, so a norm mixed up with another shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -34,7 +30,7 @@ def tiny_llama(model_type="llama", tie=True, **overrides):
 
 
 def test_fused_qkv_and_gate_up_equal_the_separate_layers_bit_for_bit():
-    model = quantize_model(tiny_llama(), skip=["lm_head"])
+    model = quantize_model(random_norms_model(), skip=["lm_head"])
     separate = copy.deepcopy(model)
     fused = fuse_projections(model)
     assert fused == {"attention": ["model.layers.0.self_attn", "model.layers.1.self_attn"],
@@ -60,7 +56,7 @@ def test_fused_qkv_and_gate_up_equal_the_separate_layers_bit_for_bit():
 
 
 def test_slices_reuse_one_gemm_per_input_and_recompute_for_another():
-    model = quantize_model(tiny_llama(), skip=["lm_head"], fuse=True)
+    model = quantize_model(random_norms_model(), skip=["lm_head"], fuse=True)
     attn = model.model.layers[0].self_attn
     calls = []
     attn.q_proj.fused.register_forward_hook(lambda *a: calls.append(1))
@@ -76,7 +72,7 @@ def test_slices_reuse_one_gemm_per_input_and_recompute_for_another():
 
 
 def test_tied_lm_head_and_embedding_share_one_int8_table():
-    model = tiny_llama()
+    model = random_norms_model()
     emb_float = model.model.embed_tokens.weight.detach().clone()
     quantize_model(model, quantize_embedding=True)
     emb, head = model.model.embed_tokens, model.lm_head
@@ -94,22 +90,22 @@ def test_tied_lm_head_and_embedding_share_one_int8_table():
 
 
 def test_untied_embedding_gets_its_own_table_and_no_warning(recwarn):
-    model = tiny_llama(tie=False)
+    model = random_norms_model(tied=False)
     quantize_model(model, quantize_embedding=True)
     assert isinstance(model.model.embed_tokens, W8A8Embedding)
     assert model.model.embed_tokens.weight_packed is not model.lm_head.weight_packed
-    tied = tiny_llama()
+    tied = random_norms_model()
     quantize_model(tied, quantize_embedding=True)
     assert not [w for w in recwarn if "unties" in str(w.message)]
     with pytest.warns(UserWarning, match="quantize_embedding=True"):
-        quantize_model(tiny_llama())
+        quantize_model(random_norms_model())
 
 
 def test_int8_embedding_follows_the_model_through_to_save_and_load(tmp_path):
     """model.to(bfloat16) after quantize_model(quantize_embedding=True): the embedding kept returning fp32, and so did
     every logit after it; torch.save of such a model refused the int8 view the embedding kept of its blob."""
-    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
-    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(7))
+    model = quantize_model(random_norms_model(), quantize_embedding=True, fuse=True)
+    ids = token_ids(VOCAB, (1, 9), seed=7)
     with torch.no_grad():
         before = model(ids).logits
     torch.save(model, tmp_path / "model.pt")
@@ -122,7 +118,7 @@ def test_int8_embedding_follows_the_model_through_to_save_and_load(tmp_path):
 
 def test_an_embedding_with_max_norm_stays_float():
     """max_norm renormalizes the rows a lookup reads: an int8 table read plainly returned rows 3-4x its norm."""
-    model = tiny_llama()
+    model = random_norms_model()
     model.model.embed_tokens.max_norm = 0.05
     with pytest.raises(ValueError, match=r"computes more than a row lookup \(a scale after it, max_norm\)"):
         quantize_model(model, quantize_embedding=True)
@@ -168,8 +164,8 @@ def test_decoder_follows_the_model(model_type):
     lm_head) it agrees with the model's argmax on nearly every position (W8A8 is chaotic in the last bits)."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = tiny_llama(model_type)
-    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3))
+    model = random_norms_model(model_type)
+    ids = token_ids(VOCAB, (40,), seed=3)
     with torch.no_grad():
         expected = model(ids.unsqueeze(0)).logits[0]
     decoder = Decoder(model)
@@ -201,11 +197,11 @@ def test_one_op_decode_step_equals_the_loop_bit_for_bit(model_type, scheme, thre
     from w8a8_cpu.llm.decoder import Decoder
 
     options = dict(scheme=scheme, group_size=32, symmetric=False, min_max=True) if scheme == "w4a8" else {}
-    model = quantize_model(tiny_llama(model_type), quantize_embedding=True, fuse=True, **options)
+    model = quantize_model(random_norms_model(model_type), quantize_embedding=True, fuse=True, **options)
     fast, loop = Decoder(model), Decoder(model)
     assert fast._step_weights() is not None
     loop.one_op_step = False
-    ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(8))
+    ids = token_ids(VOCAB, (23,), seed=8)
     with intra_op_threads(threads):
         tokens = fast.greedy(ids, 15)
         assert loop.greedy(ids, 15) == tokens
@@ -225,14 +221,14 @@ def test_one_op_decode_step_only_where_it_computes_the_loop():
     op cannot call) decode through the loop, hooks called."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    assert Decoder(tiny_llama())._step_weights() is None
-    assert Decoder(quantize_model(tiny_llama(), quantize_embedding=True))._step_weights() is None  # unfused
+    assert Decoder(random_norms_model())._step_weights() is None
+    assert Decoder(quantize_model(random_norms_model(), quantize_embedding=True))._step_weights() is None  # unfused
 
     class Doubled(W8A8Linear):  # a layer whose forward does more than the op (e.g. a collective)
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    model = quantize_model(random_norms_model(), quantize_embedding=True, fuse=True)
     changed = copy.deepcopy(model)
     changed.model.layers[1].self_attn.o_proj.__class__ = Doubled
     assert Decoder(changed)._step_weights() is None
@@ -250,7 +246,7 @@ def test_one_op_decode_step_only_where_it_computes_the_loop():
     assert decoder.one_op_step and decoder._step_weights() is not None
     calls = []
     handle = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *args: calls.append(1))
-    ids = torch.randint(0, 300, (10,), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(VOCAB, (10,), seed=1)
     try:
         assert decoder._step_weights() is None
         decoder.greedy(ids, 4)
@@ -264,7 +260,7 @@ def test_one_op_decode_step_refuses_bad_input_naming_it():
     from w8a8_cpu.llm.decoder import Decoder
 
     ops = torch.ops.w8a8_cpu
-    decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True))
+    decoder = Decoder(quantize_model(random_norms_model(), quantize_embedding=True, fuse=True))
     decoder.greedy(torch.arange(5), 2)
     # detached: the norms' Parameters require grad, and the op refuses inputs that do (tested below)
     weights = [None if w is None else w.detach() for w in decoder._step_weights()]
@@ -322,10 +318,10 @@ def test_main_jobs_window_timer_scores_as_the_decoder_and_times_full_windows_onl
     from w8a8_cpu.llm import evaluate
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    model = quantize_model(random_norms_model(), quantize_embedding=True, fuse=True)
     decoder = Decoder(model)
     timer = WindowPrefillTimer(decoder, 32)
-    ids = torch.randint(0, 300, (56,), generator=torch.Generator().manual_seed(5))
+    ids = token_ids(VOCAB, (56,), seed=5)
     for window, last in ((ids[:32], 17), (ids[:32], 1), (ids[30:], 9)):
         assert torch.equal(timer(window, last), decoder.logits(window, last))
     assert len(timer.seconds) == 1 and all(0 < s < 60 for s in timer.seconds)
@@ -340,8 +336,8 @@ def test_decoder_of_a_bf16_model_follows_it():
     the fused norm)."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = tiny_llama("llama").to(torch.bfloat16)
-    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(4))
+    model = random_norms_model("llama").to(torch.bfloat16)
+    ids = token_ids(VOCAB, (30,), seed=4)
     tokens = Decoder(model).greedy(ids, 10)
     with torch.no_grad():
         logits = model(torch.cat([ids, torch.tensor(tokens[:-1])]).unsqueeze(0)).logits[0, 29:]
@@ -355,8 +351,8 @@ def test_decoder_calls_from_two_threads_give_each_its_own_logits():
 
     from w8a8_cpu.llm.decoder import Decoder
 
-    decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True))
-    prompts = [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 45)]
+    decoder = Decoder(quantize_model(random_norms_model(), quantize_embedding=True, fuse=True))
+    prompts = [token_ids(VOCAB, (n,), seed=n) for n in (20, 45)]
     alone = [(decoder.logits(p, 5), decoder.greedy(p, 4)) for p in prompts]
     start, differing = threading.Barrier(2, timeout=60), [0, 0]
 
@@ -380,9 +376,9 @@ def test_decoder_refuses_a_model_changed_under_it():
     call: in-place edits, swapped .data and a new Parameter are followed (a new Parameter was left out: 0.5 off)."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = tiny_llama()
+    model = random_norms_model()
     decoder = Decoder(model)
-    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    ids = token_ids(VOCAB, (12,), seed=6)
     with torch.no_grad():
         model.model.norm.weight.mul_(2)  # in place: the Decoder reads it
         torch.testing.assert_close(decoder.prefill(ids), model(ids.unsqueeze(0)).logits[0, -1], rtol=1e-4, atol=1e-4)
@@ -455,7 +451,7 @@ def test_decoder_rejects_what_it_does_not_run():
 
     with pytest.raises(ValueError, match="Decoder supports"):
         Decoder(torch.nn.Linear(2, 2))
-    decoder = Decoder(tiny_llama())
+    decoder = Decoder(random_norms_model())
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 300\)"):
         decoder.prefill(torch.tensor([300]))
     with pytest.raises(ValueError, match="max_position_embeddings"):
@@ -482,8 +478,8 @@ def test_decoder_follows_every_rotary_type_it_accepts(rope):
     Decoder's logits are the model's, for a short call after a long one and for greedy's prompt."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = tiny_llama(rope_scaling=ROPE[rope])
-    decoder, ids = Decoder(model), torch.randint(0, 300, (100,), generator=torch.Generator().manual_seed(0))
+    model = random_norms_model(rope_scaling=ROPE[rope])
+    decoder, ids = Decoder(model), token_ids(VOCAB, (100,), seed=0)
     with torch.no_grad():
         want = model(ids[:40].unsqueeze(0)).logits[0]
         decoder.logits(ids, 1)
@@ -516,7 +512,7 @@ def test_decoder_refuses_attention_it_would_compute_wrongly(model_type, case, ov
 
     if (model_type == "llama" and "window" in case) or (model_type != "qwen2" and "layer_types" in overrides):
         pytest.skip(f"{model_type} has no such setting")
-    model = tiny_llama(model_type, max_position_embeddings=256, head_dim=16, **overrides)
+    model = random_norms_model(model_type, max_position_embeddings=256, head_dim=16, **overrides)
     with pytest.raises(ValueError, match=message):
         Decoder(model)
 
@@ -543,7 +539,7 @@ def test_decoder_refuses_a_llama_that_is_not_a_causal_lm(model_class):
     (it raised AttributeError)."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    config = tiny_llama().config
+    config = random_norms_model().config
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=rf"model\.model\.layers and model\.lm_head .*got {model_class}"):
         Decoder(getattr(transformers, model_class)(config).eval())

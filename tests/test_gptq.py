@@ -9,6 +9,7 @@ from w8a8_cpu import reference
 from w8a8_cpu.nn import W4A8Linear, quantize_model
 from w8a8_cpu.quant import gptq_layers, refit
 from w8a8_cpu.quant.grid import Int4Grid, fp16_step
+from tiny_models import dequantized_int4, tiny_causal_lm, token_ids
 
 FORMS = {"symmetric": (True, False), "zero point": (False, False), "min-max": (False, True)}
 
@@ -25,12 +26,6 @@ def stack(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(192, 160), torch.nn.GELU(), torch.nn.Linear(160, 96)).eval()
 
 
-def dequantized(layer: W4A8Linear) -> torch.Tensor:
-    q, scale, minimum, group = layer.int4_weight()
-    which = torch.arange(q.shape[1]) // group
-    return q.float() * scale[:, which] + (0 if minimum is None else minimum[:, which])
-
-
 @pytest.mark.parametrize("form", FORMS)
 def test_gptq_has_lower_output_error_than_round_to_nearest(gen, form):
     symmetric, min_max = FORMS[form]
@@ -45,8 +40,8 @@ def test_gptq_has_lower_output_error_than_round_to_nearest(gen, form):
     for name, linear in (("0", model[0]), ("2", model[2])):
         for x in inputs[name]:  # the calibration rows and rows it never saw
             want = x @ linear.weight.detach().T
-            errors = {kind: ((x @ dequantized(dict(m.named_modules())[name]).T - want).norm() / want.norm()).item()
-                      for kind, m in (("rtn", rtn), ("gptq", gptq))}
+            errors = {kind: ((x @ dequantized_int4(*m.get_submodule(name).int4_weight()).T - want).norm()
+                             / want.norm()).item() for kind, m in (("rtn", rtn), ("gptq", gptq))}
             assert errors["gptq"] < 0.8 * errors["rtn"], (form, name, errors)
             assert errors["rtn"] < 0.2
 
@@ -322,21 +317,15 @@ def test_calibration_computes_the_logits_only_the_rounded_layers_need(head_round
     given). An output layer that GPTQ rounds still sees every position."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-
-    def tiny_llama():
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-    ids = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(1))
+    one_layer = dict(vocab_size=300, num_hidden_layers=1, max_position_embeddings=64)
+    ids = token_ids(300, (2, 40), seed=1)
     skip = [] if head_rounded else ["lm_head"]
-    model, positions = tiny_llama(), []
+    model, positions = tiny_causal_lm(**one_layer), []
     model.lm_head.register_forward_pre_hook(lambda module, args: positions.append(args[0].shape[1]))
     quantize_model(model, skip=skip, scheme="w4a8", group_size=32, calibration=ids)
     assert positions == [40 if head_rounded else 1]
-    full = quantize_model(tiny_llama(), skip=skip, scheme="w4a8", group_size=32, calibration=lambda m: m(ids))
+    full = quantize_model(tiny_causal_lm(**one_layer), skip=skip, scheme="w4a8", group_size=32,
+                          calibration=lambda m: m(ids))
     layers = [name for name, module in model.named_modules() if isinstance(module, W4A8Linear)]
     assert len(layers) == 7 + head_rounded
     for name in layers:

@@ -12,40 +12,22 @@ transformers = pytest.importorskip("transformers")
 import w8a8_cpu  # noqa: E402
 from w8a8_cpu import reference  # noqa: E402
 from w8a8_cpu.nn import W4A8Experts, W4A8Linear, W8A8Experts, quantize_model  # noqa: E402
+from tiny_models import LLM_SKIP, MOE_ARCHITECTURES, logits, tiny_causal_lm, token_ids  # noqa: E402
 
 pytestmark = pytest.mark.slow_under_emulation
 transformers.logging.set_verbosity_error()
 
-COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128)
-CONFIGS = {
-    "mixtral": dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=96,
-                      num_experts=4, num_experts_per_tok=2),
-    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-                      head_dim=16),
-}
-SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]
 
-
-def tiny(arch):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(arch, **COMMON, **CONFIGS[arch])
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_w8a8_moe_model_close_to_float(arch):
-    model = tiny(arch)
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        want = model(ids).logits
-    quantized = quantize_model(copy.deepcopy(model), skip=SKIP)
+    model = tiny_causal_lm(arch)
+    ids = token_ids(shape=(2, 24), seed=1)
+    want = logits(model, ids)
+    quantized = quantize_model(copy.deepcopy(model), skip=LLM_SKIP)
     experts = [m for m in quantized.modules() if isinstance(m, W8A8Experts)]
     assert len(experts) == 2  # one per layer, in place of the float experts
     assert not any(isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter) for m in quantized.modules())
-    with torch.inference_mode():
-        got = quantized(ids).logits
+    got = logits(quantized, ids)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 0.05, rel  # measured 0.008-0.018 (per-token int8 activations, per-channel int8 weights)
 
@@ -59,9 +41,9 @@ def test_w4a8_moe_model_close_to_its_dequantized_float_model(arch, group_size, s
     routing flips it may cause through the float routers. Measured 0.005-0.008 relative (both architectures, every
     form); the bound is 2.5x the worst of that, an order of magnitude below the int4 weight rounding itself (~0.1 from
     the float model)."""
-    model = tiny(arch)
-    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
-    quantized = quantize_model(copy.deepcopy(model), skip=SKIP, scheme="w4a8", group_size=group_size,
+    model = tiny_causal_lm(arch)
+    ids = token_ids(shape=(2, 24), seed=1)
+    quantized = quantize_model(copy.deepcopy(model), skip=LLM_SKIP, scheme="w4a8", group_size=group_size,
                                symmetric=symmetric, min_max=min_max)
     fake_quantized = model
     experts = 0
@@ -77,8 +59,7 @@ def test_w4a8_moe_model_close_to_its_dequantized_float_model(arch, group_size, s
             fake_quantized.get_submodule(name).weight.data = w8a8_cpu.dequantized_weight(module.weight_packed,
                                                                                          module.w_scale)
     assert experts == 2
-    with torch.inference_mode():
-        got, want = quantized(ids).logits, fake_quantized(ids).logits
+    got, want = logits(quantized, ids), logits(fake_quantized, ids)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < 0.02, rel
 
@@ -87,7 +68,7 @@ def test_w4a8_moe_model_close_to_its_dequantized_float_model(arch, group_size, s
 def test_experts_module_equals_the_reference_moe(scheme):
     """W8A8Experts / W4A8Experts is fused_experts on the routing the model's own router chose: one layer's experts
     equal the reference MoE (exact integer matmuls, the ops' SiLU and order) bit for bit."""
-    model = tiny("mixtral")
+    model = tiny_causal_lm("mixtral")
     block = model.model.layers[0].mlp
     hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(2))
     _, weights, ids = block.gate(hidden)
@@ -105,7 +86,7 @@ def test_experts_module_equals_the_reference_moe(scheme):
 
 
 def test_non_silu_experts_are_refused():
-    model = tiny("mixtral")
+    model = tiny_causal_lm("mixtral")
     experts = model.model.layers[0].mlp.experts
     experts.act_fn = torch.nn.GELU()
     with pytest.raises(ValueError, match="SiLU-gated experts only"):

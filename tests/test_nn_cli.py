@@ -9,6 +9,7 @@ import torch
 import w8a8_cpu
 from conftest import python_command, run_python
 from w8a8_cpu import _build_info, reference
+from tiny_models import tiny_causal_lm
 
 # A variant name of another architecture: never compiled into this build.
 FOREIGN_VARIANT = "avx2" if "neon" in w8a8_cpu.info()["compiled_variants"] else "neon"
@@ -238,12 +239,8 @@ def test_skipped_tied_lm_head_stays_tied(recwarn):
 
 
 def test_transformers_tied_lm_head_quantized():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
-                                      tie_word_embeddings=True)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_causal_lm(tied=True, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
     embedding = model.get_input_embeddings().weight
     assert model.get_output_embeddings().weight is embedding
     with pytest.warns(UserWarning, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight"):

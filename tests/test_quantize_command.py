@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import python_command
 from test_llm import _require_model
+from tiny_models import tiny_causal_lm
 
 pytestmark = pytest.mark.slow_under_emulation
 
@@ -22,19 +22,15 @@ def quantize(*argv, timeout=900):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
-def tiny_checkpoint(directory: Path, config=None) -> Path:
-    """A tiny random Llama (or `config`'s model) with SmolLM2's tokenizer (from the test cache), saved as a
-    transformers checkpoint."""
+def tiny_checkpoint(directory: Path, model=None) -> Path:
+    """A tiny random Llama of SmolLM2's vocabulary (or `model`) with SmolLM2's tokenizer (from the test cache), saved
+    as a transformers checkpoint."""
     import transformers
 
     from w8a8_cpu.llm import smollm2
 
     source = smollm2.ensure_cache()
-    torch.manual_seed(0)
-    config = config or transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
-                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                tie_word_embeddings=True)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    (model or tiny_causal_lm(tied=True, vocab_size=49152, intermediate_size=128)).save_pretrained(directory)
     transformers.AutoTokenizer.from_pretrained(source).save_pretrained(directory)
     return directory
 
@@ -80,8 +76,8 @@ def test_quantize_command_says_when_smoothquant_cannot_run(tmp_path):
     _require_model()
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4)
-    source = tiny_checkpoint(tmp_path / "gpt2", config)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=49152, n_embd=64, n_layer=2, n_head=4))
+    source = tiny_checkpoint(tmp_path / "gpt2", gpt2)
     r = quantize(source, tmp_path / "out", "--smoothquant", "0.5", "--calibration-tokens", "64",
                  "--held-out-tokens", "64")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -12,8 +12,10 @@ transformers = pytest.importorskip("transformers")
 
 from w8a8_cpu.nn import W4A8Experts, W4A8Linear, W8A8Embedding, W8A8Experts, W8A8Linear, quantize_model  # noqa: E402
 from w8a8_cpu.nn.probes import computes_plain_silu_experts  # noqa: E402
+from tiny_models import tiny_causal_lm, token_ids  # noqa: E402
 
 transformers.logging.set_verbosity_error()
+LLAMA = dict(vocab_size=300, max_position_embeddings=64)  # the tiny Llama of these tests (tiny_causal_lm)
 
 
 def rel(a, b):
@@ -142,35 +144,27 @@ def test_gpt2_conv1d_layers_are_refused_unless_skipped():
     with pytest.raises(ValueError, match=r"^transformer\.h\.0\.attn\.c_attn: Conv1D .* not supported"):
         quantize_model(model, skip=["lm_head"])
     assert type(model.lm_head) is torch.nn.Linear
-    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(300, (1, 8), seed=1)
     kept = quantize_model(copy.deepcopy(model), skip=lambda name, module: type(module).__name__ == "Conv1D")
     assert isinstance(kept.lm_head, W8A8Linear)
     with torch.no_grad():
         assert rel(kept(ids).logits, model(ids).logits) < 0.02
 
 
-def tiny_llama(tie=True):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=tie)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_int8_embedding_with_its_tied_lm_head_skipped_is_refused():
     """quantize_embedding with the tied lm_head kept float untied them silently (an int8 table and the float one,
     the config still tied). Refused before anything is replaced; quantizing both shares one table."""
-    model = tiny_llama()
+    model = tiny_causal_lm(tied=True, **LLAMA)
     with pytest.raises(ValueError, match=r"^quantize_embedding: lm_head is tied .*quantize_embedding=False"):
         quantize_model(model, skip=["lm_head"], quantize_embedding=True)
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert type(model.get_input_embeddings()) is torch.nn.Embedding
-    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = token_ids(300, (1, 8), seed=1)
     shared = quantize_model(copy.deepcopy(model), quantize_embedding=True)
     assert shared.get_input_embeddings().weight_packed is shared.lm_head.weight_packed
     with torch.no_grad():
         assert rel(shared(ids).logits, model(ids).logits) < 0.05
-    untied = quantize_model(tiny_llama(tie=False), skip=["lm_head"], quantize_embedding=True)
+    untied = quantize_model(tiny_causal_lm(**LLAMA), skip=["lm_head"], quantize_embedding=True)
     assert isinstance(untied.get_input_embeddings(), W8A8Embedding) and type(untied.lm_head) is torch.nn.Linear
 
 
@@ -186,7 +180,7 @@ def test_int8_embedding_with_its_tied_lm_head_skipped_is_refused():
     (dict(min_max=True), "min_max"),
 ])
 def test_options_that_would_be_ignored_are_refused(options, argument):
-    model = tiny_llama()
+    model = tiny_causal_lm(tied=True, **LLAMA)
     with pytest.raises(ValueError, match=rf"^{argument}: "):
         quantize_model(model, skip=["lm_head"], **options)
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
@@ -198,8 +192,8 @@ def test_the_main_jobs_options_stay_valid_and_min_max_applies():
     from w8a8_cpu.cli.llm import quantize_for_job
     from w8a8_cpu.scheme import W4A8, W4A8_MIN_MAX
 
-    model = tiny_llama()
-    ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(1))
+    model = tiny_causal_lm(tied=True, **LLAMA)
+    ids = token_ids(300, (1, 8), seed=1)
     with torch.no_grad():
         want = model(ids).logits
         w8a8 = quantize_for_job(copy.deepcopy(model), False)(ids).logits
@@ -226,7 +220,7 @@ def test_the_main_jobs_options_stay_valid_and_min_max_applies():
 def test_calibration_batches_the_model_cannot_run_are_value_errors(batches, message):
     """Float ids or ids past the table failed deep in the embedding (RuntimeError, IndexError), naming no batch."""
     with pytest.raises(ValueError, match=rf"^calibration: {message}"):
-        quantize_model(tiny_llama(), skip=["lm_head"], scheme="w4a8", calibration=batches)
+        quantize_model(tiny_causal_lm(tied=True, **LLAMA), skip=["lm_head"], scheme="w4a8", calibration=batches)
 
 
 def test_calibration_of_a_model_without_a_vocabulary_takes_float_inputs_and_names_the_failing_batch():

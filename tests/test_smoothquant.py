@@ -10,31 +10,27 @@ from w8a8_cpu.nn import quantize_model  # noqa: E402
 from w8a8_cpu.quant.calibration import CallRecorder  # noqa: E402
 from w8a8_cpu.quant.smoothquant import calibrate_smoothing, smooth_quant  # noqa: E402
 from w8a8_cpu.quant.smoothquant_pairs import run_recorded  # noqa: E402
+from tiny_models import LLM_SKIP, logits, tiny_causal_lm, token_ids  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-ARCHITECTURES = {
+SIZES = dict(intermediate_size=128, max_position_embeddings=64)  # tiny_causal_lm's, beyond its TINY
+ARCHITECTURES = {  # and each architecture's
     "llama": {},
     "qwen2": {},  # q/k/v biases: v_proj's bias is divided by the o_proj scale too
-    "qwen3": dict(head_dim=16),  # q_norm / k_norm act after q/k_proj
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(MOE, shared_expert_intermediate_size=64),
-    "qwen3_moe": dict(MOE, head_dim=16, mlp_only_layers=[1]),  # one MoE and one dense layer
+    "qwen3": {},  # q_norm / k_norm act after q/k_proj
+    "mixtral": {},
+    "qwen2_moe": dict(moe_intermediate_size=64, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(moe_intermediate_size=64, mlp_only_layers=[1]),  # one MoE and one dense layer
 }
-LLM_SKIP = ["lm_head", "*.gate", "*shared_expert_gate"]
 # The smoothed weights differ from the originals by one fp32 rounding each (relative 6e-8); through two layers,
 # softmax and norms the logits then move by about 1e-6 of their largest value, so 1e-5 leaves a margin of ~4x
 # while any mis-folded channel (a factor s of 0.01..100) would show as an O(1) change.
 FP32_TOLERANCE = 1e-5
 
 
-def tiny_model(model_type):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **TINY, **ARCHITECTURES[model_type])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+def outlier_model(model_type):
+    model = tiny_causal_lm(model_type, **SIZES, **ARCHITECTURES[model_type])
     with torch.no_grad():  # outliers like trained LLMs have: a few norm channels, a few up_proj outputs
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight"):
@@ -44,15 +40,6 @@ def tiny_model(model_type):
             elif name.endswith("experts.gate_up_proj"):
                 param[:, param.shape[1] // 2 + 5] *= 20
     return model
-
-
-def token_ids(seed, batch=2, length=32):
-    return torch.randint(0, TINY["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def relative_max_change(got, want):
@@ -66,11 +53,11 @@ def w8a8_error(model, ids, reference):
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_smoothing_keeps_the_float_function_and_helps_w8a8(model_type):
-    model = tiny_model(model_type)
-    ids = token_ids(seed=2)
+    model = outlier_model(model_type)
+    ids = token_ids(shape=(2, 32), seed=2)
     reference = logits(model, ids)
     smoothed = copy.deepcopy(model)
-    report = smooth_quant(smoothed, token_ids(seed=1, batch=4), alpha=0.5)
+    report = smooth_quant(smoothed, token_ids(shape=(4, 32), seed=1), alpha=0.5)
 
     change = relative_max_change(logits(smoothed, ids), reference)
     assert change < FP32_TOLERANCE and report.logit_drift < FP32_TOLERANCE, (change, report.logit_drift)
@@ -84,8 +71,8 @@ def test_smoothing_keeps_the_float_function_and_helps_w8a8(model_type):
 
 
 def test_batches_iterable_equals_one_tensor():
-    calibration = token_ids(seed=1, batch=4)
-    whole, split = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    calibration = token_ids(shape=(4, 32), seed=1)
+    whole, split = outlier_model("qwen3_moe"), outlier_model("qwen3_moe")
     smooth_quant(whole, calibration)
     report = smooth_quant(split, iter([calibration[:1], calibration[1:]]))
     assert report.tokens == calibration.numel()
@@ -126,15 +113,16 @@ class Toy(torch.nn.Module):
 
 
 def test_explicit_mappings_on_a_toy_model():
-    model, ids = Toy(), token_ids(seed=2) % 64
+    model, ids = Toy(), token_ids(shape=(2, 32), seed=2) % 64
     reference = model(ids).detach()
-    report = smooth_quant(model, token_ids(seed=1) % 64, alpha=0.6, mappings=[("norm", ["up"]), ("up", ["down"])])
+    report = smooth_quant(model, token_ids(shape=(2, 32), seed=1) % 64, alpha=0.6,
+                          mappings=[("norm", ["up"]), ("up", ["down"])])
     assert relative_max_change(model(ids).detach(), reference) < FP32_TOLERANCE
     assert [(entry.layer, entry.producer) for entry in report.inputs] == [(0, "norm"), (0, "up"), (1, "norm"),
                                                                          (1, "up")]
     assert all(entry.outlier_before > 10 > entry.outlier_after for entry in report.inputs), str(report)
     derived = Toy()
-    derived_report = smooth_quant(derived, token_ids(seed=1) % 64, alpha=0.6)  # ReLU: up -> down folds
+    derived_report = smooth_quant(derived, token_ids(shape=(2, 32), seed=1) % 64, alpha=0.6)  # ReLU: up -> down folds
     assert [(entry.layer, entry.producer, entry.consumers) for entry in derived_report.inputs] == \
         [(entry.layer, entry.producer, entry.consumers) for entry in report.inputs]
     assert derived_report.not_smoothed == ()
@@ -148,7 +136,7 @@ def test_a_model_with_nothing_to_fold_says_why():
     # A norm without a weight has nothing to divide by s; GELU is not homogeneous: up -> down does not fold.
     with pytest.raises(ValueError, match="no SmoothQuant pair folds exactly into Toy \\(up, down: reads no norm's "
                                          "output, and no Linear's output folds into it\\)"):
-        smooth_quant(model, token_ids(seed=1) % 64)
+        smooth_quant(model, token_ids(shape=(2, 32), seed=1) % 64)
     assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
 
 
@@ -164,16 +152,16 @@ def test_bad_mappings(mappings, message):
     model = Toy()
     model.layers[0].act = torch.nn.ReLU()  # a module without weights: nothing to divide by s
     with pytest.raises(ValueError, match=message):
-        smooth_quant(model, token_ids(seed=1) % 64, mappings=mappings)
+        smooth_quant(model, token_ids(shape=(2, 32), seed=1) % 64, mappings=mappings)
 
 
 @pytest.mark.parametrize("alpha, calibration, message", [
-    (-0.1, token_ids(seed=1), "alpha"),
-    (1.5, token_ids(seed=1), "alpha"),
+    (-0.1, token_ids(shape=(2, 32), seed=1), "alpha"),
+    (1.5, token_ids(shape=(2, 32), seed=1), "alpha"),
     (0.5, [], "calibration: no batches"),
     (0.5, torch.empty(0, 8, dtype=torch.long), "calibration"),
     (0.5, torch.zeros(2, 8), "calibration"),
-    (0.5, token_ids(seed=1)[0], "calibration"),
+    (0.5, token_ids(shape=(2, 32), seed=1)[0], "calibration"),
 ])
 def test_bad_arguments(alpha, calibration, message):
     model = Toy()
@@ -187,10 +175,10 @@ def test_bad_arguments(alpha, calibration, message):
 def test_grouped_scales_scale_each_weight_group_as_one(model_type):
     # group_size: every weight SmoothQuant touches is multiplied by one factor over each aligned group of 16 along
     # its input channels (consumers: s; norms, producer rows and biases: 1/s), so an int4 group on a grid stays on one
-    group = 16  # TINY: hidden 64, intermediate 128, experts 64, head_dim 16 (o_proj reads repeated v heads)
-    model = tiny_model(model_type)
+    group = 16  # SIZES: hidden 64, intermediate 128, experts 64, head_dim 16 (o_proj reads repeated v heads)
+    model = outlier_model(model_type)
     before = copy.deepcopy(model.state_dict())
-    report = smooth_quant(model, token_ids(seed=1, batch=4), alpha=0.85, group_size=group)
+    report = smooth_quant(model, token_ids(shape=(4, 32), seed=1), alpha=0.85, group_size=group)
     assert report.group_size == group and report.logit_drift < FP32_TOLERANCE and "in groups of 16" in str(report)
     changed = 0
     for name, after in model.state_dict().items():
@@ -200,8 +188,8 @@ def test_grouped_scales_scale_each_weight_group_as_one(model_type):
         ratio = (after / before[name]).reshape(*after.shape[:-1], -1, group)
         assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-6, atol=0), name
     assert changed >= 12, changed  # per layer: 2 norms, v and up (or experts) rows, and the consumers' columns
-    per_channel = tiny_model(model_type)
-    smooth_quant(per_channel, token_ids(seed=1, batch=4), alpha=0.85)
+    per_channel = outlier_model(model_type)
+    smooth_quant(per_channel, token_ids(shape=(4, 32), seed=1), alpha=0.85)
     weight = "model.layers.0.self_attn.q_proj.weight"
     ratio = (per_channel.state_dict()[weight] / before[weight]).reshape(64, -1, group)
     assert not torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-3)  # per channel, they differ
@@ -215,10 +203,10 @@ def test_grouped_scales_scale_each_weight_group_as_one(model_type):
     (16.0, "group_size: expected None or an int >= 1"),
 ])
 def test_bad_group_size_changes_nothing(group_size, message):
-    model = tiny_model("llama")
+    model = outlier_model("llama")
     weights = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=message):
-        smooth_quant(model, token_ids(seed=1), group_size=group_size)
+        smooth_quant(model, token_ids(shape=(2, 32), seed=1), group_size=group_size)
     assert all(torch.equal(model.state_dict()[name], want) for name, want in weights.items())
 
 
@@ -227,14 +215,14 @@ def test_one_calibration_serves_several_copies(model_type):
     """calibrate_smoothing measures once (the model left as it is); smooth_quant(copy, statistics=...) then gives
     each unsmoothed copy exactly the weights smooth_quant with the calibration itself gives, per channel and in
     groups, with the same report but for its timings."""
-    model = tiny_model(model_type)
+    model = outlier_model(model_type)
     before = copy.deepcopy(model.state_dict())
-    ids = token_ids(seed=1, batch=4)
+    ids = token_ids(shape=(4, 32), seed=1)
     statistics = calibrate_smoothing(model, ids)
     assert all(torch.equal(model.state_dict()[name], want) for name, want in before.items())
     assert statistics.tokens == ids.numel()
     for alpha, group in ((0.5, None), (0.85, 16)):
-        direct, reused = tiny_model(model_type), copy.deepcopy(model)
+        direct, reused = outlier_model(model_type), copy.deepcopy(model)
         want = smooth_quant(direct, ids, alpha=alpha, group_size=group)
         got = smooth_quant(reused, alpha=alpha, group_size=group, statistics=statistics)
         for name, tensor in direct.state_dict().items():
@@ -244,8 +232,8 @@ def test_one_calibration_serves_several_copies(model_type):
 
 
 def test_statistics_arguments_are_checked():
-    model = tiny_model("llama")
-    ids = token_ids(seed=1)
+    model = outlier_model("llama")
+    ids = token_ids(shape=(2, 32), seed=1)
     statistics = calibrate_smoothing(model, ids)
     with pytest.raises(ValueError, match="calibration: give calibration token ids or statistics"):
         smooth_quant(copy.deepcopy(model), ids, statistics=statistics)
@@ -255,13 +243,12 @@ def test_statistics_arguments_are_checked():
         smooth_quant(copy.deepcopy(model), statistics=statistics, mappings=[("input_layernorm", ["self_attn.q_proj"])])
     with pytest.raises(ValueError, match="statistics: expected calibrate_smoothing's SmoothingStatistics"):
         smooth_quant(copy.deepcopy(model), statistics={"x": 1})
-    other = tiny_model("qwen3_moe")  # another layer structure: the measured consumers are not there
+    other = outlier_model("qwen3_moe")  # another layer structure: the measured consumers are not there
     weights = copy.deepcopy(other.state_dict())
     with pytest.raises(ValueError, match="statistics: layer 0"):
         smooth_quant(other, statistics=statistics)
     assert all(torch.equal(other.state_dict()[name], want) for name, want in weights.items())
-    wider = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model("llama", **dict(TINY, num_hidden_layers=3), **ARCHITECTURES["llama"]))
+    wider = tiny_causal_lm("llama", **SIZES, num_hidden_layers=3)
     with pytest.raises(ValueError, match="statistics: measured on a model of 2 decoder layers, this one has 3"):
         smooth_quant(wider, statistics=statistics)
 
@@ -278,10 +265,8 @@ def test_output_layer_smoothing_keeps_the_function_and_one_table(tied, tmp_path)
     scaled and the embedding reads them back through a column scale: the same function, one table, float and int8."""
     from w8a8_cpu.llm.checkpoint import save_compressed
     from w8a8_cpu.nn import ColumnScaledEmbedding, W8A8Embedding
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model("llama", **dict(TINY, tie_word_embeddings=tied))
-    model = with_output_outliers(transformers.AutoModelForCausalLM.from_config(config).eval())
-    ids, calibration = token_ids(seed=2), token_ids(seed=1, batch=4)
+    model = with_output_outliers(tiny_causal_lm("llama", tied=tied, **SIZES))
+    ids, calibration = token_ids(shape=(2, 32), seed=2), token_ids(shape=(4, 32), seed=1)
     reference = logits(model, ids)
     statistics = calibrate_smoothing(model, calibration)
     assert statistics.output_site_missing == ""
@@ -323,10 +308,9 @@ def test_output_layer_smoothing_keeps_the_function_and_one_table(tied, tmp_path)
 
 
 def test_output_layer_smoothing_needs_a_norm_in_front():
-    torch.manual_seed(0)
-    model = with_output_outliers(tiny_model("llama"))
+    model = with_output_outliers(outlier_model("llama"))
     model.model.norm = torch.nn.Identity()
-    statistics = calibrate_smoothing(model, token_ids(seed=1))
+    statistics = calibrate_smoothing(model, token_ids(shape=(2, 32), seed=1))
     assert statistics.output_site_missing == "lm_head reads no norm's output"
     weights = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="output_alpha: the output layer cannot be smoothed: lm_head reads no norm"):
@@ -340,12 +324,11 @@ def test_output_layer_smoothing_needs_a_norm_in_front():
 def test_an_embedding_that_computes_more_than_a_lookup_is_refused():
     """Gemma 3 scales its embedding's rows inside the embedding module: an int8 table, or a column scale wrapped
     around the plain lookup, would drop that scale, so both are refused."""
-    config = transformers.AutoConfig.for_model("gemma3_text", **dict(TINY, tie_word_embeddings=True, head_dim=16))
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_causal_lm("gemma3_text", tied=True, head_dim=16, **SIZES)
     assert type(model.get_input_embeddings()).__name__ == "Gemma3TextScaledWordEmbedding"
     with pytest.raises(ValueError, match="computes more than a row lookup"):
         quantize_model(copy.deepcopy(model), quantize_embedding=True)
-    statistics = calibrate_smoothing(model, token_ids(seed=1))
+    statistics = calibrate_smoothing(model, token_ids(shape=(2, 32), seed=1))
     with pytest.raises(ValueError, match="output_alpha: the output layer is tied to Gemma3TextScaledWordEmbedding"):
         smooth_quant(copy.deepcopy(model), statistics=statistics, output_alpha=0.3)
 

@@ -7,12 +7,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from w8a8_cpu.quant.smoothquant import smooth_quant  # noqa: E402
+from tiny_models import tiny_causal_lm, token_ids  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1])  # MoE, then dense
+SIZES = dict(vocab_size=128, intermediate_size=128, max_position_embeddings=64, pad_token_id=0)  # beyond TINY
+MOE = dict(moe_intermediate_size=64, mlp_only_layers=[1])  # MoE, then dense
 # See tests/test_smoothquant.py: one fp32 rounding per folded weight moves the logits by ~1e-6 of their range.
 FP32_TOLERANCE = 1e-5
 
@@ -45,13 +45,14 @@ UP_ONLY = _ATTENTION + (("post_attention_layernorm", ("mlp.up_proj",)),)  # ReLU
 PRE_FEEDFORWARD = _ATTENTION + (("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")), UP_DOWN)
 FUSED_GATE_UP = (("post_attention_layernorm", ("mlp.gate_up_proj",)), ("mlp.gate_up_proj", ("mlp.down_proj",)))
 
-# model_type: (config beyond TINY, the pairs expected (each where the layer holds its modules), not smoothed)
+# model_type: (config beyond SIZES and tiny_models.ARCHITECTURES, the pairs expected (each where the layer holds its
+# modules), not smoothed)
 ARCHITECTURES = {
     "llama": ({}, FORMER_TABLE["llama"], {}),
     "mistral": ({}, FORMER_TABLE["mistral"], {}),
     "qwen2": ({}, FORMER_TABLE["qwen2"], {}),  # biases on q/k/v: v_proj's is divided too
-    "qwen3": (dict(head_dim=16), FORMER_TABLE["qwen3"], {}),  # q_norm / k_norm after q/k_proj feed no Linear
-    "mixtral": (dict(num_local_experts=4), FORMER_TABLE["mixtral"], {}),
+    "qwen3": ({}, FORMER_TABLE["qwen3"], {}),  # q_norm / k_norm after q/k_proj feed no Linear
+    "mixtral": ({}, FORMER_TABLE["mixtral"], {}),
     "qwen2_moe": (dict(MOE, shared_expert_intermediate_size=64), FORMER_TABLE["qwen2_moe"], {}),
     "qwen3_moe": (MOE, FORMER_TABLE["qwen3_moe"], {}),
     "phi3": ({}, (("input_layernorm", ("self_attn.qkv_proj",)), ("self_attn.qkv_proj", ("self_attn.o_proj",)))
@@ -100,10 +101,8 @@ INPUT_NORMS = tuple(f"{name}.weight" for name in ("input_layernorm", "post_atten
                                                    "pre_feedforward_layernorm", "ln_attn", "ln_mlp"))
 
 
-def tiny_model(model_type):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **ARCHITECTURES[model_type][0]})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+def trained_norms_model(model_type):
+    model = tiny_causal_lm(model_type, **{**SIZES, **ARCHITECTURES[model_type][0]})
     with torch.no_grad():  # norm weights away from their initial 0 or 1; outlier channels in those before Linears
         for name, param in model.named_parameters():
             if param.dim() == 1 and ("norm" in name or ".ln_" in name) and name.endswith(".weight"):
@@ -122,11 +121,11 @@ def decoder_layers(model):
 def test_derived_pairs_keep_the_function_and_cover_every_linear(model_type):
     _, expected_table, expected_not_smoothed = ARCHITECTURES[model_type]
     expected = {(producer, frozenset(consumers)) for producer, consumers in expected_table}
-    model = tiny_model(model_type)
-    ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(2))
+    model = trained_norms_model(model_type)
+    ids = token_ids(SIZES["vocab_size"], (2, 24), seed=2)
     with torch.no_grad():
         reference = model(ids).logits
-    calibration = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(1))
+    calibration = token_ids(SIZES["vocab_size"], (2, 32), seed=1)
     report = smooth_quant(model, calibration)
     with torch.no_grad():
         change = ((model(ids).logits - reference).abs().max() / reference.abs().max()).item()
@@ -159,9 +158,8 @@ def test_derived_pairs_keep_the_function_and_cover_every_linear(model_type):
 @pytest.mark.parametrize("model_type", ["olmo2", "phi3"])
 def test_a_bf16_model_is_checked_in_fp32_and_stays_bf16(model_type):
     # In bf16, a right fold's rounding (~1e-2) would hide gate -> down's small error on a tiny model's small gates.
-    model = tiny_model(model_type).to(torch.bfloat16)
-    report = smooth_quant(model, torch.randint(0, TINY["vocab_size"], (2, 32),
-                                               generator=torch.Generator().manual_seed(1)))
+    model = trained_norms_model(model_type).to(torch.bfloat16)
+    report = smooth_quant(model, token_ids(SIZES["vocab_size"], (2, 32), seed=1))
     found = {(entry.producer, frozenset(entry.consumers)) for entry in report.inputs}
     assert found == {(producer, frozenset(consumers)) for producer, consumers in ARCHITECTURES[model_type][1]}
     assert {tensor.dtype for tensor in model.state_dict().values() if tensor.is_floating_point()} == {torch.bfloat16}

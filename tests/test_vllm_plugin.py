@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import run_python
+from tiny_models import tiny_causal_lm
 
 pytestmark = pytest.mark.slow_under_emulation
 
@@ -145,16 +146,10 @@ def test_what_cannot_apply_changes_nothing_and_says_so_in_one_line(setup, env, w
 def tiny_checkpoint(directory: Path, kind: str) -> Path:
     """A tiny random Llama (or Mixtral for "moe..."), quantized by w8a8_cpu and saved as a compressed-tensors checkpoint
     (no tokenizer: the layer test starts vLLM with skip_tokenizer_init). head_dim 64: vLLM's CPU attention sizes."""
-    import transformers
-
     from w8a8_cpu.llm import calibrate_static_activations, save_compressed
     from w8a8_cpu.nn import quantize_model
-    torch.manual_seed(0)
-    sizes = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    config = (transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **sizes) if kind.startswith("moe")
-              else transformers.LlamaConfig(**sizes))
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_causal_lm("mixtral" if kind.startswith("moe") else "llama", vocab_size=512, hidden_size=256,
+                           intermediate_size=512, max_position_embeddings=256)
     quantize_model(model, skip=["lm_head", "*.gate"], **({"scheme": "w4a8"} if kind.endswith("w4a8") else {}))
     if kind.startswith("static"):
         calibrate_static_activations(model, torch.randint(0, 512, (2, 64)), symmetric=kind == "static")

@@ -12,20 +12,12 @@ import torch
 import w8a8_cpu
 from w8a8_cpu import reference
 from w8a8_cpu.nn import W4A8Linear, W8A8GatedMLP, W8A8Linear, W8A8LinearSlice, quantize_model
+from tiny_models import dequantized_int4, tiny_causal_lm
 
 CASES = [  # (m, n, k, group_size, symmetric)
     (1, 40, 100, 32, True), (5, 33, 300, 64, False), (17, 64, 1000, 0, False), (70, 48, 512, 128, True),
     (3, 16, 4096, 32, False), (9, 20, 33, 0, True), (2, 7, 64, 32, False),
 ]
-
-
-def dequantized(q, scale, minimum, group_size):
-    """The float weight [N, K] the int4 values stand for, in fp64."""
-    n, k = q.shape
-    group = group_size or k
-    g = torch.arange(k) // group
-    w = q.double() * scale.double()[:, g]
-    return w if minimum is None else w + minimum.double()[:, g]
 
 
 def int4_case(gen, n, k, group_size, symmetric):
@@ -47,8 +39,8 @@ def test_int4_linear_is_exact_on_every_variant(variant, gen, m, n, k, group_size
         want = reference.int4_scaled_mm(x_q, q, x_scale, w_scale, scale, minimum, group_size, bias, out_dtype)
         assert torch.equal(got, want), (variant, out_dtype)
     # and the fp32 order is a rounding of the exact product with the dequantized weight
-    exact = (x_q.double() @ dequantized(q, scale, minimum, group_size).T) * x_scale.double() * w_scale.double() + \
-        bias.double()
+    weight = dequantized_int4(q, scale, minimum, group_size, torch.float64)
+    exact = (x_q.double() @ weight.T) * x_scale.double() * w_scale.double() + bias.double()
     got = w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale, bias, torch.float32).double()
     assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
 
@@ -63,7 +55,7 @@ def test_int4_values_round_trip_and_rounding_rules(gen):
         q2, scale2, minimum2, group2 = w8a8_cpu.int4_weight_values(blob)
         assert torch.equal(q2, q) and torch.equal(scale2, scale) and group2 == group_size
         assert (minimum is None and minimum2 is None) or torch.equal(minimum, minimum2)
-        error = (dequantized(q, scale, minimum, group_size) - w.double()).abs()
+        error = (dequantized_int4(q, scale, minimum, group_size, torch.float64) - w.double()).abs()
         step = scale.double().repeat_interleave(group_size or 96, dim=1)[:, :96]
         # round to nearest: within half a step of every weight (the fp16 step: up to 7.5 * 2^-11 of one more where
         # the symmetric grid's top level clips)
@@ -73,7 +65,7 @@ def test_int4_values_round_trip_and_rounding_rules(gen):
     levels[:, ::32], levels[:, 1::32] = 0, 15
     grid = levels.float() * 0.25 - 1.0
     q, scale, minimum = w8a8_cpu.quantize_weight_int4(grid, 32, symmetric=False)
-    assert torch.allclose(dequantized(q, scale, minimum, 32).float(), grid, atol=1e-6)
+    assert torch.allclose(dequantized_int4(q, scale, minimum, 32, torch.float64).float(), grid, atol=1e-6)
 
 
 def test_int4_blob_size_matches_the_python_rule(variant, gen):
@@ -276,18 +268,8 @@ def test_gated_int4_equals_the_separate_int4_layers(variant, gen):
     torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
-def tiny_llama():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_quantize_model_w4a8_and_fusion(gen):
-    pytest.importorskip("transformers")
-    model = tiny_llama()
+    model = tiny_causal_lm(tied=True, vocab_size=300)
     ids = torch.randint(0, 300, (1, 12), generator=gen)
     unfused = quantize_model(copy.deepcopy(model), scheme="w4a8", group_size=32, symmetric=False,
                              quantize_embedding=True)
@@ -316,7 +298,8 @@ def test_w4a8_linear_follows_the_float_layer(gen):
     for symmetric in (True, False):
         layer = W4A8Linear.from_linear(linear, 32, symmetric)
         q, scale, minimum, group = layer.int4_weight()
-        expected = torch.nn.functional.linear(x.double(), dequantized(q, scale, minimum, group), linear.bias.double())
+        weight = dequantized_int4(q, scale, minimum, group, torch.float64)
+        expected = torch.nn.functional.linear(x.double(), weight, linear.bias.double())
         torch.testing.assert_close(layer(x).double(), expected, rtol=0.05, atol=0.05)  # int8 activations
         with pytest.raises(ValueError, match="use int4_weight"):
             layer.int8_weight()
@@ -354,6 +337,6 @@ def test_int4_straight_through_gradient_uses_the_dequantized_weight(gen, symmetr
     x = torch.randn(3, 96, generator=gen, requires_grad=True)
     grad_out = torch.randn(3, 24, generator=gen)
     w8a8_cpu.int8_scaled_mm_with_quant(x, blob, w_scale).backward(grad_out)
-    weight = dequantized(q, scale, minimum, 32) * w_scale.double()[:, None]
+    weight = dequantized_int4(q, scale, minimum, 32, torch.float64) * w_scale.double()[:, None]
     torch.testing.assert_close(x.grad.double(), grad_out.double() @ weight, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w8a8_cpu.dequantized_weight(blob, w_scale).double(), weight, rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ from w8a8_cpu.nn import W4A8Linear, W8A8Linear, quantize_model
 from w8a8_cpu.scheme import (DYNAMIC, GROUP_SIZE, PRESETS, W4A8, W4A8_ASYMMETRIC, W4A8_GPTQ, W4A8_MIN_MAX, W8A8,
                              W8A8_DYNAMIC_ASYMMETRIC, W8A8_STATIC, W8A8_STATIC_ASYMMETRIC, ActivationScheme,
                              QuantScheme, WeightScheme, preset_name)
+from tiny_models import token_ids
 
 
 def test_presets():
@@ -114,7 +115,7 @@ def tiny(seed=0):
                                torch.nn.Linear(96, 64)).eval()
 
 
-IDS = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+IDS = token_ids(50, (2, 12), seed=1)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -148,7 +149,7 @@ def test_static_scheme_is_quantize_then_calibrate():
         want = quantize_model(tiny())
         calibrate_static_activations(want, IDS, symmetric=scheme.activations.symmetric)
         got = quantize_model(tiny(), scheme=scheme, calibration=IDS)
-        x = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(2))
+        x = token_ids(50, (1, 9), seed=2)
         with torch.no_grad():
             assert torch.equal(got(x), want(x))
     asymmetric = quantize_model(tiny(), scheme=W8A8_DYNAMIC_ASYMMETRIC)

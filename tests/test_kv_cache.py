@@ -10,8 +10,9 @@ import torch
 
 import w8a8_cpu
 from conftest import intra_op_threads
-from test_fused_layers import tiny_llama
+from test_fused_layers import VOCAB, random_norms_model
 from test_layer_ops import attention_reference
+from tiny_models import token_ids
 from w8a8_cpu import reference
 from w8a8_cpu.llm.decoder import KV_CACHES, Decoder
 from w8a8_cpu.nn import quantize_model
@@ -118,9 +119,9 @@ def test_decoder_decodes_what_its_prompt_path_computes_over_the_stored_cache(kv_
     by the same rule, dequantized for the prompt attention) give the same logits up to fp32 rounding, for every
     kv_cache of an fp32 model; the cache holds what its kind stores, and its bytes are reported (int8 <= 0.27x of
     fp32 at SmolLM2's head_dim, 64)."""
-    model = tiny_llama()
+    model = random_norms_model()
     decoder = Decoder(model, kv_cache=kv_cache)
-    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2))
+    ids = token_ids(VOCAB, (40,), seed=2)
     tokens = decoder.greedy(ids[:30], 10)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}[kv_cache]
     assert decoder.k_cache[0].dtype == dtype and bool(decoder.k_scale) == (kv_cache == "int8")
@@ -141,7 +142,7 @@ def test_decoder_decodes_what_its_prompt_path_computes_over_the_stored_cache(kv_
     assert fp32_bytes == 2 * 2 * 4096 * 2 * 16 * 4  # layers, K and V, positions, KV heads, head_dim, bytes
     ratio = decoder.kv_bytes(4096) / fp32_bytes
     assert ratio == {"fp32": 1, "fp16": 0.5, "int8": (16 + 4) / 64}[kv_cache]  # head_dim 16: a scale is 4 bytes of 20
-    one_head = tiny_llama(num_attention_heads=1, num_key_value_heads=1)  # head_dim 64
+    one_head = random_norms_model(num_attention_heads=1, num_key_value_heads=1)  # head_dim 64
     ratio = Decoder(one_head, kv_cache=kv_cache).kv_bytes(4096) / Decoder(one_head).kv_bytes(4096)
     assert ratio == {"fp32": 1, "fp16": 0.5, "int8": (64 + 4) / 256}[kv_cache] and ratio <= 0.27 or kv_cache != "int8"
 
@@ -151,10 +152,10 @@ def test_decoder_decodes_what_its_prompt_path_computes_over_the_stored_cache(kv_
 def test_one_op_decode_step_equals_the_loop_for_every_kv_cache(kv_cache, threads):
     """decode_step_ with each cache storage (int8: the scale lists) gives the loop's bits: the greedy tokens and every
     layer's cache and scales."""
-    model = quantize_model(tiny_llama(), quantize_embedding=True, fuse=True)
+    model = quantize_model(random_norms_model(), quantize_embedding=True, fuse=True)
     fast, loop = Decoder(model, kv_cache=kv_cache), Decoder(model, kv_cache=kv_cache)
     loop.one_op_step = False
-    ids = torch.randint(0, 300, (23,), generator=torch.Generator().manual_seed(8))
+    ids = token_ids(VOCAB, (23,), seed=8)
     with intra_op_threads(threads):
         assert fast.greedy(ids, 12) == loop.greedy(ids, 12)
     for mine, theirs in ((fast.k_cache, loop.k_cache), (fast.v_cache, loop.v_cache), (fast.k_scale, loop.k_scale),
@@ -164,9 +165,9 @@ def test_one_op_decode_step_equals_the_loop_for_every_kv_cache(kv_cache, threads
 
 def test_decoder_refuses_a_kv_cache_it_does_not_have():
     with pytest.raises(ValueError, match="kv_cache: expected one of fp32, fp16, int8 or None"):
-        Decoder(tiny_llama(), kv_cache="q8_0")
+        Decoder(random_norms_model(), kv_cache="q8_0")
     with pytest.raises(ValueError, match="kv_cache: 'int8' needs an fp32 model"):
-        Decoder(tiny_llama().to(torch.bfloat16), kv_cache="int8")
+        Decoder(random_norms_model().to(torch.bfloat16), kv_cache="int8")
 
 
 Z = torch.zeros
@@ -198,7 +199,7 @@ def test_scales_that_do_not_match_their_caches_are_refused():
     k_cache, v_cache, (k_scale, _) = stored_cache("int8", 2, 7, 8, torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="k_cache, v_cache, k_scale, v_scale: must not overlap each other or qkv"):
         ops.decode_attention_(torch.randn(8, 8), k_cache, v_cache, 3, 4, 0.5, k_scale, k_scale)
-    decoder = Decoder(quantize_model(tiny_llama(), quantize_embedding=True, fuse=True), kv_cache="int8")
+    decoder = Decoder(quantize_model(random_norms_model(), quantize_embedding=True, fuse=True), kv_cache="int8")
     decoder.greedy(torch.arange(5), 2)
     weights = [None if w is None else w.detach() for w in decoder._step_weights()]
     first = decoder.layers[0]

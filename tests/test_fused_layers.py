@@ -409,9 +409,9 @@ def test_decoder_refuses_a_fused_layer_replaced_under_it():
     model."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    model = quantize_model(tiny_llama(), skip=["lm_head"], fuse=True)
+    model = quantize_model(random_norms_model(), skip=["lm_head"], fuse=True)
     decoder = Decoder(model)
-    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    ids = token_ids(VOCAB, (12,), seed=6)
     before = decoder.greedy(ids, 4)
     attn = model.model.layers[1].self_attn
     other = copy.deepcopy(attn.q_proj.fused)
@@ -433,8 +433,8 @@ def test_decoder_kv_cache_that_cannot_be_had_is_a_value_error():
     allocation failed with torch's RuntimeError). The Decoder still runs afterwards."""
     from w8a8_cpu.llm.decoder import Decoder
 
-    decoder = Decoder(tiny_llama(max_position_embeddings=1 << 40))  # 140 TB asked: more than any machine has
-    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(6))
+    decoder = Decoder(random_norms_model(max_position_embeddings=1 << 40))  # 140 TB asked: more than any machine has
+    ids = token_ids(VOCAB, (12,), seed=6)
     positions = 12 + (1 << 38) - 1
     needed = positions * (2 * 2 * 2 * 16 * 4 + 16 * (8 + 2 * 4))  # 2 layers, k and v, 2 KV heads of 16, fp32; rotary
     with pytest.raises(ValueError, match=re.escape(f"length: a KV cache of {positions} positions needs {needed} bytes "

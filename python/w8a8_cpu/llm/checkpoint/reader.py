@@ -132,7 +132,7 @@ class StoredTensors:
         return tensor
 
     def check_positive(self, key: str, scale: torch.Tensor) -> None:
-        """Weight scales are finite and > 0 (README, Numerics): a zero or negative one is no quantization grid."""
+        """Weight scales are finite and > 0 (docs/numerics.md): a zero or negative one is no quantization grid."""
         if not (torch.isfinite(scale).all() and (scale > 0).all()):
             raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
 

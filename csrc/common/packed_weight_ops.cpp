@@ -13,13 +13,17 @@ namespace {
 
 bool is_packed(const at::Tensor& w) { return w.dim() == 1 && w.scalar_type() == at::kByte; }
 
+// A raw int8 [N, K] weight to pack (int8 values, or int4 values held in int8: `what` says which).
+void check_raw_weight(const at::Tensor& w, const char* arg, const char* what) {
+  check_cpu(w, arg);
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kChar, arg, ": dtype must be int8 ", what, ", got ", w.scalar_type());
+  check_rows(w, arg);
+  TORCH_CHECK_VALUE(w.size(0) > 0, arg, ": N (dim 0) must be > 0");
+  check_k(w.size(1), arg);
+}
+
 at::Tensor pack_weight_tensor(const at::Tensor& w) {
-  check_cpu(w, "w");
-  TORCH_CHECK_VALUE(w.scalar_type() == at::kChar, "w: dtype must be int8 (a raw [N, K] weight), got ",
-                    w.scalar_type());
-  check_rows(w, "w");
-  TORCH_CHECK_VALUE(w.size(0) > 0, "w: N (dim 0) must be > 0");
-  check_k(w.size(1), "w");
+  check_raw_weight(w, "w", "(a raw [N, K] weight)");
   const MicroKernel& kernel = active_kernel();
   const int64_t nbytes =
       as_value_errors([&] { return packed_weight_nbytes(w.size(0), w.size(1), kernel.geometry().layout, "w"); });
@@ -43,12 +47,7 @@ at::Tensor pack_weight_op(const at::Tensor& w) {
 // (each must be an fp16 value).
 at::Tensor pack_weight_int4_op(const at::Tensor& q, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
                                int64_t group_size, bool half_scales) {
-  check_cpu(q, "q");
-  TORCH_CHECK_VALUE(q.scalar_type() == at::kChar, "q: dtype must be int8 holding int4 values in [-8, 7] ([N, K]), got ",
-                    q.scalar_type());
-  check_rows(q, "q");
-  TORCH_CHECK_VALUE(q.size(0) > 0, "q: N (dim 0) must be > 0");
-  check_k(q.size(1), "q");
+  check_raw_weight(q, "q", "holding int4 values in [-8, 7] ([N, K])");
   int group_log2 = 0;
   if (group_size != 0) {
     while (group_log2 < kMaxGroupLog2 && (int64_t{1} << group_log2) < group_size) ++group_log2;

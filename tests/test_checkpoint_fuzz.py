@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import EMULATED, python_command, require_optional
 

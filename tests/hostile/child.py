@@ -3,8 +3,6 @@ this process (memory and time limited by the parent) and prints one JSON line pe
 ("value_error", "exact", "finite", or "finding" with why). A crash or hang ends the lines early: the parent names the
 case that was running."""
 import json
-import math
-import os
 import sys
 from pathlib import Path
 

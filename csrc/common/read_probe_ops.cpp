@@ -117,7 +117,7 @@ int64_t read_probe_op(const at::Tensor& buffer, const std::string& way) {
   const int64_t bytes = buffer.numel();
   TORCH_CHECK_VALUE(bytes > 0 && bytes % kStep == 0, "_read_probe: buffer must hold a positive multiple of ", kStep,
                     " bytes (got ", bytes, ")");
-  const auto* p = buffer.const_data_ptr<uint8_t>();
+  const auto* p = static_cast<const uint8_t*>(buffer.data_ptr());
   const int64_t steps = bytes / kStep;
   std::vector<uint64_t> partial(static_cast<size_t>(at::get_num_threads()) + 1, 0);
   at::parallel_for(0, steps, 1, [&](int64_t begin, int64_t end) {

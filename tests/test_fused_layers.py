@@ -160,8 +160,9 @@ def test_an_mlp_that_computes_more_than_the_plain_gated_form_stays_unfused(mlp):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
 def test_decoder_follows_the_model(model_type):
     """The lean loop on the model's own weights: fp32 logits equal the model's forward to float rounding (one fused
-    rms_norm kernel instead of four ops), and greedy tokens equal generate's; on the W8A8 model (fused, int8
+    rms_norm kernel instead of four ops), and greedy tokens equal generate's (streamed to on_token as they are chosen, by both); on the W8A8 model (fused, int8
     lm_head) it agrees with the model's argmax on nearly every position (W8A8 is chaotic in the last bits)."""
+    from w8a8_cpu.llm import evaluate
     from w8a8_cpu.llm.decoder import Decoder
 
     model = random_norms_model(model_type)
@@ -175,7 +176,10 @@ def test_decoder_follows_the_model(model_type):
     with torch.no_grad():
         generated = model.generate(ids.unsqueeze(0), attention_mask=torch.ones(1, 40, dtype=torch.long),
                                    do_sample=False, max_new_tokens=20, min_new_tokens=20)[0, 40:].tolist()
-    assert decoder.greedy(ids, 20) == generated
+    streamed, streamed_by_generate = [], []  # each token as soon as it is chosen (bench llm --context times them)
+    assert decoder.greedy(ids, 20, on_token=streamed.append) == generated == streamed
+    assert evaluate.greedy(model, ids, 20, on_token=streamed_by_generate.append)["tokens"] == streamed_by_generate
+    assert streamed_by_generate == generated
 
     quantized = quantize_model(copy.deepcopy(model), quantize_embedding=True, fuse=True)
     lean = Decoder(quantized)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -50,12 +50,17 @@ def ctranslate2_generator(model_dir: Path, threads: int):
                                  inter_threads=1)
 
 
-def ctranslate2_greedy(generator, prompt_tokens: Sequence[str], new_tokens: int) -> list:
+def ctranslate2_greedy(generator, prompt_tokens: Sequence[str], new_tokens: int,
+                       on_token: Optional[Callable[[int], None]] = None) -> list:
     """Greedy generation of exactly `new_tokens` token ids after prompt_tokens (token strings) with a CTranslate2
     generator, batch 1. The prompt is forwarded at once (include_prompt_in_result=False: then max_length and
     min_length count the new tokens only; with True the prompt is decoded token by token and counted); min_length
     keeps the end token from stopping it early, as transformers' min_new_tokens does. new_tokens=1 is a prefill:
-    the prompt forwarded and the first token's logits, computed for the last position only."""
+    the prompt forwarded and the first token's logits, computed for the last position only. on_token(token id) is
+    called as each token is chosen (the search's own callback, in this thread: its generate_tokens stream runs a
+    thread that can abort the interpreter at exit)."""
+    callback = None if on_token is None else (lambda step: on_token(step.token_id) or False)  # False: go on
     (result,) = generator.generate_batch([list(prompt_tokens)], max_length=new_tokens, min_length=new_tokens,
-                                         sampling_topk=1, beam_size=1, include_prompt_in_result=False)
+                                         sampling_topk=1, beam_size=1, include_prompt_in_result=False,
+                                         callback=callback)
     return result.sequences_ids[0]

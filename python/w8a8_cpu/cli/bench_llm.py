@@ -12,8 +12,9 @@ Engines (rows), all on the same token ids from the main job's tokenizer:
   CTranslate2 int8       the float checkpoint converted by ctranslate2 (int8 weights, cached), its own generator
 Measures: decode = new tokens / wall time of one greedy generation from the main job's chat prompt, prompt prefill
 included (as evaluate.greedy times it); with --context N, decode at a long context: the prompt is the first N tokens
-of the prefill text and decode = (new tokens - 1) / the median over rounds of (time of the generation - time of a
-one-token generation from the same prompt in that round): the tokens after the first, without the prompt's prefill;
+of the prefill text and decode = (new tokens - 1) / the median over rounds of the time from the first new token to
+the last (each engine reports its tokens as it chooses them): the tokens after the first, the prompt's prefill not
+counted;
 prefill = time to the next-token logits of the first --prefill-tokens tokens of the GPL-3 text, computed for the
 last position only; greedy = generated tokens equal to fp32's before the first difference (a sanity check: a whole
 int8 model parts from fp32 after a few tokens, see docs/numerics.md); KV bytes = each fast path row's KV cache at the prompt's
@@ -41,6 +42,7 @@ from .timing import Progress, interleaved, medians
 
 FP32, AO, EAGER, FAST, CT2 = "fp32", "torch.ao dynamic int8", "W8A8 eager", "W8A8 fast path", "CTranslate2 int8"
 ENGINES = (FP32, AO, EAGER, FAST, CT2)
+ENGINE_KEYS = {"fp32": FP32, "ao": AO, "eager": EAGER, "fast": FAST, "ct2": CT2}  # --engines
 
 
 def fast_path_name(kv_cache: str) -> str:
@@ -70,6 +72,9 @@ def add_arguments(parser) -> None:
                              "the prompt's prefill (each cached key and value is read again by every new token)")
     parser.add_argument("--kv-cache", nargs="+", choices=KV_CACHES, default=["fp32"], metavar="KIND",
                         help=f"the fast path's KV cache storage, a row each: {', '.join(KV_CACHES)} (default fp32)")
+    parser.add_argument("--engines", nargs="+", choices=ENGINE_KEYS, default=list(ENGINE_KEYS), metavar="KEY",
+                        help="the rows to run: " + ", ".join(f"{k} ({v})" for k, v in ENGINE_KEYS.items()) +
+                             " (default all; fast: a row per --kv-cache; greedy agreement needs fp32)")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help=f"timed interleaved rounds after {WARMUP_ROUNDS} warm-up (default 3)")
     parser.add_argument("--json", metavar="FILE", type=output_file, help="write every number of the run as JSON to FILE")
@@ -80,15 +85,15 @@ def add_arguments(parser) -> None:
 
 @dataclass
 class Engine:
-    """What is timed of one engine: greedy(prompt ids [T], n) -> the n new token ids, and prefill(ids [T]) -> the
-    next-token logits (or the token) after ids."""
-    greedy: Callable[[torch.Tensor, int], Sequence[int]]
+    """What is timed of one engine: greedy(prompt ids [T], n, on_token) -> the n new token ids, calling on_token(id)
+    (when given) as each is chosen, and prefill(ids [T]) -> the next-token logits (or the token) after ids."""
+    greedy: Callable[..., Sequence[int]]
     prefill: Callable[[torch.Tensor], object]
     kv_bytes: Optional[Callable[[int], int]] = None  # the fast path's: bytes of its KV cache at that many positions
 
 
 def transformers_engine(model: torch.nn.Module) -> Engine:
-    return Engine(greedy=lambda ids, n: evaluate.greedy(model, ids, n)["tokens"],
+    return Engine(greedy=lambda ids, n, on_token=None: evaluate.greedy(model, ids, n, on_token)["tokens"],
                   prefill=lambda ids: model(ids.unsqueeze(0), logits_to_keep=1).logits[0, -1])
 
 
@@ -96,17 +101,17 @@ def ctranslate2_engine(generator, tokenizer) -> Engine:
     """CTranslate2 takes token strings: the ids become the tokenizer's own tokens (its vocabulary's entries)."""
     from .baselines import ctranslate2_greedy
 
-    def greedy(ids: torch.Tensor, n: int) -> List[int]:
-        return ctranslate2_greedy(generator, tokenizer.convert_ids_to_tokens(ids.tolist()), n)
+    def greedy(ids: torch.Tensor, n: int, on_token: Optional[Callable[[int], None]] = None) -> List[int]:
+        return ctranslate2_greedy(generator, tokenizer.convert_ids_to_tokens(ids.tolist()), n, on_token)
 
     return Engine(greedy=greedy, prefill=lambda ids: greedy(ids, 1))  # its cheapest call that yields the next token
 
 
 def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[str, str],
-                  kv_caches: Sequence[str] = ("fp32",)):
-    """({name: engine} of the torch engines, made from the fp32 SmolLM2 model, with a fast path row per KV cache
-    storage, and the CTranslate2 model folder or None); an engine that cannot be built is left out with its reason in
-    `unavailable`."""
+                  kv_caches: Sequence[str] = ("fp32",), wanted: Sequence[str] = ENGINES):
+    """({name: engine} of the torch engines of `wanted`, made from the fp32 SmolLM2 model, with a fast path row per KV
+    cache storage, and the CTranslate2 model folder or None); an engine that cannot be built is left out with its
+    reason in `unavailable`."""
     from w8a8_cpu.llm import smollm2
     from w8a8_cpu.nn import quantize_model
 
@@ -115,24 +120,28 @@ def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[s
     from .baselines import ao_dynamic, ctranslate2_int8
     from .llm import KEEP_FLOAT, quantize_for_job
 
-    engines = {FP32: transformers_engine(fp32)}
+    engines = {FP32: transformers_engine(fp32)} if FP32 in wanted else {}
     progress.step(AO)
     try:
-        engines[AO] = transformers_engine(ao_dynamic(copy.deepcopy(fp32), skip=KEEP_FLOAT))
+        if AO in wanted:
+            engines[AO] = transformers_engine(ao_dynamic(copy.deepcopy(fp32), skip=KEEP_FLOAT))
     except Exception as e:  # not every torch build ships a quantized engine
         unavailable[AO] = f"{type(e).__name__}: {e}"
     progress.step(EAGER)
-    engines[EAGER] = transformers_engine(quantize_model(copy.deepcopy(fp32), skip=KEEP_FLOAT))
+    if EAGER in wanted:
+        engines[EAGER] = transformers_engine(quantize_model(copy.deepcopy(fp32), skip=KEEP_FLOAT))
     progress.step(FAST)  # on a W8A8 model of its own: the eager row times transformers on the unfused model
-    quantized = quantize_for_job(copy.deepcopy(fp32), int8_output_layer=True)
-    for kv_cache in kv_caches:  # one model, a Decoder (and KV cache) each
-        decoder = Decoder(quantized, kv_cache=kv_cache)
-        engines[fast_path_name(kv_cache)] = Engine(greedy=decoder.greedy, prefill=decoder.prefill,
-                                                   kv_bytes=decoder.kv_bytes)
+    if FAST in wanted:
+        quantized = quantize_for_job(copy.deepcopy(fp32), int8_output_layer=True)
+        for kv_cache in kv_caches:  # one model, a Decoder (and KV cache) each
+            decoder = Decoder(quantized, kv_cache=kv_cache)
+            engines[fast_path_name(kv_cache)] = Engine(greedy=decoder.greedy, prefill=decoder.prefill,
+                                                       kv_bytes=decoder.kv_bytes)
     progress.step(f"{CT2} conversion")
     ct2_dir = None
     try:
-        ct2_dir = ctranslate2_int8(smollm2.cache_dir(), progress)
+        if CT2 in wanted:
+            ct2_dir = ctranslate2_int8(smollm2.cache_dir(), progress)
     except ImportError as e:
         unavailable[CT2] = f"{e} (pip install 'w8a8-cpu[bench]')"
     except Exception as e:  # a converter that does not know this transformers version: report, time the rest
@@ -144,26 +153,28 @@ def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[s
 
 # --------------------------------------------------------------------------------------------------- measurement
 
-# the key of an engine's one-token generation among the decode calls of a --context run
-FIRST_TOKEN = " (first token)"
-
-
 def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: torch.Tensor, new_tokens: int,
             rounds: int, progress: Progress, label: str, without_prefill: bool = False) -> Dict[str, dict]:
     """Decode and prefill of every engine in interleaved rounds (decode rounds first, then prefill rounds), with the
     greedy tokens of each engine's last decode; ratios against CTranslate2 and llama.cpp's published figure.
-    without_prefill (--context): each decode round also times a one-token generation of every engine from the same
-    prompt, and decode is the tokens after the first over the median of the rounds' differences (None where that
-    median is not positive: the machine's noise exceeded the tokens' time)."""
+    without_prefill (--context): decode is the tokens after the first over the median of the rounds' times from the
+    first new token to the last, as the engine reports them (its prompt's prefill before the first is not counted)."""
     generated: Dict[str, List[int]] = {}
+    after_first_s: Dict[str, List[float]] = {name: [] for name in engines}  # --context: each round's
     if without_prefill and new_tokens < 2:
         raise ValueError("new_tokens: decode without the prompt's prefill needs at least 2 tokens")
 
-    def decode_call(name: str, engine: Engine, count: int = new_tokens) -> Callable[[], None]:
+    def decode_call(name: str, engine: Engine) -> Callable[[], None]:
         def call() -> None:
-            tokens = [int(t) for t in engine.greedy(prompt_ids, count)]
-            if count == new_tokens:
-                generated[name] = tokens
+            if not without_prefill:
+                generated[name] = [int(t) for t in engine.greedy(prompt_ids, new_tokens)]
+                return
+            chosen_at: List[float] = []
+            generated[name] = [int(t) for t in engine.greedy(
+                prompt_ids, new_tokens, on_token=lambda token: chosen_at.append(time.perf_counter()))]
+            if len(chosen_at) != new_tokens:
+                raise RuntimeError(f"{name} reported {len(chosen_at)} of its {new_tokens} tokens as chosen")
+            after_first_s[name].append(chosen_at[-1] - chosen_at[0])
         return call
 
     def timed(calls: Dict[str, Callable[[], object]], what: str) -> Dict[str, List[float]]:
@@ -171,10 +182,7 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
         return interleaved(calls, rounds, WARMUP_ROUNDS,
                            on_round=lambda r: progress.step(f"{label}: {what} round {r}/{rounds}"))
 
-    decode_calls = {name: decode_call(name, engine) for name, engine in engines.items()}
-    if without_prefill:
-        decode_calls.update({name + FIRST_TOKEN: decode_call(name, engine, 1) for name, engine in engines.items()})
-    decode_s = timed(decode_calls, "decode")
+    decode_s = timed({name: decode_call(name, engine) for name, engine in engines.items()}, "decode")
     prefill_s = timed({name: (lambda engine=engine: engine.prefill(prefill_ids)) for name, engine in engines.items()},
                       "prefill")
     for name, tokens in generated.items():
@@ -184,16 +192,15 @@ def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: t
     decode_median, prefill_median = medians(decode_s), medians(prefill_s)
     results = {}
     for name in engines:
-        if without_prefill:
-            generation_s = statistics.median(
-                whole - first for whole, first in zip(decode_s[name], decode_s[name + FIRST_TOKEN]))
-            tokens_per_s = (new_tokens - 1) / generation_s if generation_s > 0 else None  # no rate, not a wrong one
+        if without_prefill:  # the warm-up rounds' times come first in the list
+            generation_s = statistics.median(after_first_s[name][WARMUP_ROUNDS:])
+            tokens_per_s = (new_tokens - 1) / generation_s if generation_s > 0 else None  # a clock too coarse
         else:
             tokens_per_s = new_tokens / decode_median[name]
         results[name] = {
             "decode_tokens_per_s": tokens_per_s, "prefill_s": prefill_median[name],
             "decode_s_rounds": decode_s[name], "prefill_s_rounds": prefill_s[name],
-            **({"first_token_s_rounds": decode_s[name + FIRST_TOKEN]} if without_prefill else {}),
+            **({"after_first_token_s_rounds": after_first_s[name][WARMUP_ROUNDS:]} if without_prefill else {}),
             "greedy_equal_prefix": None if reference is None else evaluate.agreeing_prefix(generated[name], reference),
             "kv_bytes": engines[name].kv_bytes(prompt_ids.numel() + new_tokens) if engines[name].kv_bytes else None,
             "tokens": generated[name],
@@ -253,7 +260,7 @@ def format_table(run: dict, new_tokens: int, unavailable: Dict[str, str]) -> Lis
     for name, r in run["engines"].items():
         greedy = "" if r["greedy_equal_prefix"] is None else f"{r['greedy_equal_prefix']}/{new_tokens}"
         rate = r["decode_tokens_per_s"]
-        cells = ["n/a (noise)" if rate is None else f"{rate:.1f}", f"{r['prefill_s']:.3f}", greedy,
+        cells = ["n/a (clock)" if rate is None else f"{rate:.1f}", f"{r['prefill_s']:.3f}", greedy,
                  _ratio(r.get("decode_vs_ctranslate2")), _ratio(r.get("prefill_vs_ctranslate2")),
                  _ratio(r.get("decode_vs_llama_cpp"))]
         lines.append(_row(name, cells[:len(columns)]))
@@ -281,7 +288,8 @@ def print_report(result: dict) -> None:
           f"median of {result['rounds']} interleaved rounds after {result['warmup_rounds']} warm-up")
     if result.get("context"):
         decode = (f"{n} greedy tokens after the first {result['context']} tokens of {result['prefill_text']}, the "
-                  f"tokens after the first: {n - 1} / (time of {n} - time of 1), the prompt's prefill not counted")
+                  f"tokens after the first: {n - 1} / time from the first new token to the last, the prompt's "
+                  f"prefill not counted")
     else:
         decode = f"{n} greedy tokens after the chat prompt ({result['prompt_tokens']} tokens, prefill included)"
     print(f"  decode: {decode}; prefill: the first {result['prefill_tokens']} tokens of {result['prefill_text']} to "
@@ -329,7 +337,8 @@ def run(args, parser) -> int:
         print(f"bench llm: {e}", file=sys.stderr)
         return 2
     unavailable: Dict[str, str] = {}
-    engines, ct2_dir = build_engines(fp32, progress, unavailable, args.kv_cache)
+    engines, ct2_dir = build_engines(fp32, progress, unavailable, args.kv_cache,
+                                     [ENGINE_KEYS[key] for key in args.engines])
 
     def engines_for(threads: int) -> Dict[str, Engine]:
         if ct2_dir is None:
@@ -342,7 +351,7 @@ def run(args, parser) -> int:
     result = {
         "model": smollm2.MODEL_NAME, "variant": w8a8_cpu.info()["selected_variant"], "torch": torch.__version__,
         "ctranslate2": _version("ctranslate2"), "new_tokens": args.new_tokens, "prefill_tokens": args.prefill_tokens,
-        "context": args.context, "kv_caches": args.kv_cache,
+        "context": args.context, "kv_caches": args.kv_cache, "engines": args.engines,
         "prompt_tokens": prompt_ids.numel(), "chat_prompt": None if args.context else job.CHAT_PROMPT,
         "prefill_text": str(job.EVAL_TEXT),
         "rounds": args.rounds, "warmup_rounds": WARMUP_ROUNDS,

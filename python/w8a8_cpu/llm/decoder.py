@@ -17,7 +17,7 @@ window). Anything else raises ValueError naming what is missing; use model.gener
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -328,9 +328,10 @@ class Decoder:
         with torch.inference_mode():
             return self.lm_head(hidden)
 
-    def greedy(self, prompt_ids: torch.Tensor, new_tokens: int) -> List[int]:
+    def greedy(self, prompt_ids: torch.Tensor, new_tokens: int,
+               on_token: Optional[Callable[[int], None]] = None) -> List[int]:
         """Exactly new_tokens greedy tokens after prompt_ids [T] (no stop at an end token), each the argmax of the
-        model's logits."""
+        model's logits; on_token(token id) is called with each as soon as it is chosen (streaming)."""
         ids = _check_ids(prompt_ids, self.config.vocab_size)
         if not isinstance(new_tokens, int) or new_tokens < 1:
             raise ValueError(f"new_tokens: expected an int >= 1, got {new_tokens!r}")
@@ -341,12 +342,15 @@ class Decoder:
             logits = self.lm_head(self._forward(ids, 0)[-1:])[0]
             position = ids.numel()
             step_weights = self._step_weights()
-            for _ in range(new_tokens - 1):
+            for _ in range(new_tokens):
                 token = logits.argmax()
                 out.append(int(token))
+                if on_token is not None:
+                    on_token(out[-1])
+                if len(out) == new_tokens:
+                    break
                 logits = self.lm_head(self._forward(token.view(1), position, step_weights))[0]
                 position += 1
-            out.append(int(logits.argmax()))
         return out
 
 

@@ -89,13 +89,33 @@ def _last_logits(model: Union[torch.nn.Module, Decoder, LastLogits], ids: torch.
     return model(ids, last)
 
 
-def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int) -> dict:
+class _TokenStreamer:
+    """A transformers streamer calling on_token(id) for each new token as generate() chooses it (generate puts the
+    prompt first: skipped)."""
+
+    def __init__(self, on_token: Callable[[int], None]):
+        self.on_token, self.prompt_seen = on_token, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            for token in value.reshape(-1).tolist():
+                self.on_token(int(token))
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, new_tokens: int,
+           on_token: Optional[Callable[[int], None]] = None) -> dict:
     """Greedy generation (KV cache, batch 1) of exactly `new_tokens` tokens after prompt_ids [T]: the tokens and
-    the rate in tokens/s over the whole call (the short prompt's prefill included)."""
+    the rate in tokens/s over the whole call (the short prompt's prefill included); on_token(token id) is called with
+    each new token as soon as it is chosen."""
+    streamer = None if on_token is None else _TokenStreamer(on_token)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = model.generate(prompt_ids.unsqueeze(0), attention_mask=torch.ones(1, prompt_ids.numel(), dtype=torch.long),
-                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                             do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer)
         elapsed = time.perf_counter() - t0
     return {"tokens": out[0, prompt_ids.numel():].tolist(), "tokens_per_s": new_tokens / elapsed}
 

@@ -42,34 +42,58 @@ void pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* ds
   for (; i < k_padded; ++i) out[i] = 0x80;
 }
 
-// U independent accumulators per row over interleaved k groups: with few rows, one accumulator per row
-// would serialize every vpdpbusd on the previous one's latency (decode, M = 1, ran at ~1/4 of throughput).
-template <int M, int U = (M <= 2 ? 4 : M <= 4 ? 2 : 1)>
-void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, const int32_t* col_sums, int64_t k_padded,
-               int32_t* c) {
-  __m512i acc[M][U];
+// U independent accumulators per row and panel over interleaved k groups: with few rows, one accumulator per row
+// would serialize every vpdpbusd on the previous one's latency (decode, M = 1, ran at ~1/4 of throughput). P panels
+// (the second panel_bytes after the first) in one pass: P = 2 is the decode tile (MicroKernel::two_panel_rows),
+// c[i * P * 16 + p * 16 + j]; its rows keep 4 chains as the one-panel tile's (2 a panel: <= 8 accumulators).
+template <int M, int P = 1, int U = (M <= 2 ? 4 / P : M <= 4 ? 2 : 1)>
+void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, int64_t panel_bytes, const int32_t* col_sums,
+               int64_t k_padded, int32_t* c) {
+  static_assert(P == 1 || M <= kTwoPanelMaxRows, "the two-panel tile is a decode tile");
+  __m512i acc[M][P][U];
+#pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-    for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[i][p][u] = _mm512_setzero_si512();
+  // One k step (one line of each panel) into accumulator u.
   auto step = [&](int64_t k, int u) {
-    const __m512i b = _mm512_loadu_si512(panel + k * kNr);
+    const int64_t offset = k * kNr;
+    // Into L2, kX86PrefetchBytes ahead in each panel's stream (why and how far: x86_common.h); past a panel's end,
+    // the stream goes on in the same panel of the next P (the driver's next call), not in this call's next panel.
+    const int64_t ahead = kX86PrefetchBytes + (offset + kX86PrefetchBytes >= panel_bytes ? (P - 1) * panel_bytes : 0);
+    __m512i b[P];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const int8_t* line = panel + p * panel_bytes + offset;
+      _mm_prefetch(reinterpret_cast<const char*>(line + ahead), _MM_HINT_T1);
+      b[p] = _mm512_loadu_si512(line);
+    }
+#pragma GCC unroll 8
     for (int i = 0; i < M; ++i) {
       int32_t a4;
       std::memcpy(&a4, a + i * stride + k, 4);
-      acc[i][u] = dpbusd(acc[i][u], _mm512_set1_epi32(a4), b);
+      const __m512i av = _mm512_set1_epi32(a4);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[i][p][u] = dpbusd(acc[i][p][u], av, b[p]);
     }
   };
   int64_t k = 0;
-  for (; k + 4 * U <= k_padded; k += 4 * U) {
-    for (int line = 0; line < 4 * U * kNr; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(panel + k * kNr + kX86PrefetchBytes + line), _MM_HINT_T1);
+  for (; k + 4 * U <= k_padded; k += 4 * U)
+#pragma GCC unroll 4
     for (int u = 0; u < U; ++u) step(k + 4 * u, u);
-  }
   for (; k < k_padded; k += 4) step(k, 0);
-  const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(col_sums), 7);
-  for (int i = 0; i < M; ++i) {
-    __m512i sum = acc[i][0];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[i][u]);
-    _mm512_storeu_si512(c + i * kNr, _mm512_sub_epi32(sum, correction));
+#pragma GCC unroll 2
+  for (int p = 0; p < P; ++p) {
+    const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(col_sums + p * kNr), 7);
+#pragma GCC unroll 8
+    for (int i = 0; i < M; ++i) {
+      __m512i sum = acc[i][p][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[i][p][u]);
+      _mm512_storeu_si512(c + i * P * kNr + p * kNr, _mm512_sub_epi32(sum, correction));
+    }
   }
 }
 
@@ -77,7 +101,15 @@ void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
                int64_t k_padded, int32_t* c) {
   const auto* a8 = static_cast<const uint8_t*>(a);
   with_row_count<kMr>(m, [&](auto rows) {
-    tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, col_sums, k_padded, c);
+    tile_rows<decltype(rows)::value>(a8, a_row_stride, panel, 0, col_sums, k_padded, c);
+  });
+}
+
+void vnni_two_panel_rows(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
+                         const int32_t* col_sums, PanelLayout, int64_t k_padded, int32_t* c) {
+  const auto* a8 = static_cast<const uint8_t*>(a);
+  with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value, 2>(a8, a_row_stride, panel, panel_bytes, col_sums, k_padded, c);
   });
 }
 
@@ -85,67 +117,106 @@ void vnni_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, c
 // panel's element order) and multiplied as the unsigned operand of vpdpbusd against the plain int8 activations:
 // acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum). The groups
 // combine in the driver's fp32 order (mul, then add: no FMA, as everywhere).
-template <int M>
-void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, const Int4Groups& f, const int32_t* a_group_sums,
-               float* t) {
+// P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode tile
+// (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
+template <int M, int P = 1>
+void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, const Int4Groups& f,
+               const int32_t* a_group_sums, float* t) {
+  static_assert(P == 1 || M <= kTwoPanelMaxRows, "the two-panel tile is a decode tile");
   const int64_t group = f.group, groups = f.groups;
   const bool has_mins = f.has_mins;
-  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row (latency, as tile_rows)
+  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row and panel (latency, as tile_rows)
   // The row loops are unrolled so that sum and acc stay in registers (GCC 12 kept a rolled loop's sum in memory:
   // prefill ~15% slower).
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const Int4PanelStream stream = int4_panel_stream(panel, f, /*decode=*/M <= 4, 1);
-  const uint8_t* nibbles = panel;
-  __m512 sum[M];
+  Int4PanelStream stream[P];
+  const uint8_t* nibbles[P];
+#pragma GCC unroll 2
+  for (int p = 0; p < P; ++p) {
+    stream[p] = int4_panel_stream(panel + p * panel_bytes, f, /*decode=*/M <= 4, P);
+    nibbles[p] = stream[p].panel;
+  }
+  __m512 sum[M][P];
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) sum[i] = _mm512_setzero_ps();
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) sum[i][p] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(stream.scales_ahead(g), _MM_HINT_T1);
-    if (has_mins) _mm_prefetch(stream.mins_ahead(g), _MM_HINT_T1);
-    __m512i acc[M][U];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      _mm_prefetch(stream[p].scales_ahead(g), _MM_HINT_T1);
+      if (has_mins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
+    }
+    __m512i acc[M][P][U];
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i)
-      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_si512();
-    // 8 k (two 32-byte steps, one cache line) per iteration: groups are multiples of 32 k
-    auto step = [&](int64_t k, const uint8_t* bytes, int u) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-      const __m512i w = _mm512_and_si512(both, low_nibbles);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p)
+#pragma GCC unroll 2
+        for (int u = 0; u < U; ++u) acc[i][p][u] = _mm512_setzero_si512();
+    // 8 k (two 32-byte steps, one cache line of each panel) per iteration: groups are multiples of 32 k
+    auto step = [&](int64_t k, int64_t byte, int u) {
+      __m512i w[P];
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + byte));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+        w[p] = _mm512_and_si512(both, low_nibbles);
+      }
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
         int32_t a4;
         std::memcpy(&a4, a + i * stride + k, 4);
-        acc[i][u] = dpbusd(acc[i][u], w, _mm512_set1_epi32(a4));
+        const __m512i av = _mm512_set1_epi32(a4);
+#pragma GCC unroll 2
+        for (int p = 0; p < P; ++p) acc[i][p][u] = dpbusd(acc[i][p][u], w[p], av);
       }
     };
-    for (int64_t k = g * group; k < (g + 1) * group; k += 8, nibbles += 64) {
-      _mm_prefetch(stream.nibbles_ahead(nibbles), _MM_HINT_T1);
-      step(k, nibbles, 0);
-      step(k + 4, nibbles + 32, U - 1);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) _mm_prefetch(stream[p].nibbles_ahead(nibbles[p]), _MM_HINT_T1);
+      step(k, 0, 0);
+      step(k + 4, 32, U - 1);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) nibbles[p] += 64;
     }
-    const __m512 scale = f.half_scales ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                             stream.scales(g))))
-                                       : _mm512_loadu_ps(stream.scales(g));
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* scales = stream[p].scales(g);
+      const __m512 scale = f.half_scales
+                               ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)))
+                               : _mm512_loadu_ps(scales);
 #pragma GCC unroll 8
-    for (int i = 0; i < M; ++i) {
-      __m512i total = acc[i][0];
-      for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][u]);
-      const int32_t a_sum = a_group_sums[i * groups + g];
-      const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a_sum));
-      sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
-      if (has_mins)
-        sum[i] = _mm512_add_ps(sum[i], _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(a_sum)),
-                                                     _mm512_loadu_ps(stream.mins(g))));
+      for (int i = 0; i < M; ++i) {
+        __m512i total = acc[i][p][0];
+#pragma GCC unroll 2
+        for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][p][u]);
+        const int32_t a_sum = a_group_sums[i * groups + g];
+        const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a_sum));
+        sum[i][p] = _mm512_add_ps(sum[i][p], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));
+        if (has_mins)
+          sum[i][p] = _mm512_add_ps(sum[i][p], _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(a_sum)),
+                                                             _mm512_loadu_ps(stream[p].mins(g))));
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < M; ++i) _mm512_storeu_ps(t + i * kNr, sum[i]);
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(t + i * P * kNr + p * kNr, sum[i][p]);
 }
 
 void vnni_int4_tile(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, PanelLayout,
                     const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
   with_row_count<kMr>(m, [&](auto rows) {
-    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, groups, a_group_sums, t);
+    int4_rows<decltype(rows)::value>(a, a_row_stride, panel, 0, groups, a_group_sums, t);
+  });
+}
+
+void vnni_int4_two_panel_rows(const int8_t* a, size_t a_row_stride, int m, const uint8_t* panel, int64_t panel_bytes,
+                              PanelLayout, const Int4Groups& groups, const int32_t* a_group_sums, float* t) {
+  with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
+    int4_rows<decltype(rows)::value, 2>(a, a_row_stride, panel, panel_bytes, groups, a_group_sums, t);
   });
 }
 
@@ -169,6 +240,8 @@ const MicroKernel kAvx512VnniKernel = {
     softmax_numerators_row,
     attend_key_block_x86,
     scale_tile,
+    vnni_two_panel_rows,
+    vnni_int4_two_panel_rows,
 };
 
 }  // namespace w8a8_cpu

@@ -17,194 +17,20 @@ contributor, so the sum is exact), and the slots are added in order as fused_exp
 exact=False selects the usual scheme for comparison: per-rank scales and one fp32 all-reduce of partial outputs."""
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
-import json
 import math
-import os
-import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .._functions import (fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8,
-                          scale_accumulators, unpack_weight)
-from .._packed_weight import HEADER_BYTES, MAGIC
+from .._functions import fused_experts, int8_mm, int8_scaled_mm_with_quant, per_token_quant_int8, scale_accumulators
 from ..nn import W8A8Experts, W8A8Linear
 from ..nn.experts import expert_weights
 from ..nn.transform import replace_module
-
-DEFAULT_TIMEOUT_S = 120.0
-
-
-class RankFailure(RuntimeError):
-    """A collective failed or timed out: another rank most likely died or stalled."""
-
-
-@dataclass
-class CommStats:
-    """Time, count and payload of this process's collectives since the last reset()."""
-    seconds: float = 0.0
-    calls: int = 0
-    bytes: int = 0
-
-    def reset(self) -> None:
-        self.seconds, self.calls, self.bytes = 0.0, 0, 0
-
-
-STATS = CommStats()
-_timeout_s: Optional[float] = None  # the timeout init() gave the process group, quoted in RankFailure
-_finish_store = None  # init()'s rendezvous store (a prefix of it): finish() lets rank 0, its host, leave last
-
-
-def init(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
-    """Join the process group described by the environment (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT) with a timeout, so that a rank that dies makes the others raise RankFailure instead of waiting
-    forever. Returns the default group.
-
-    Before the process group forms, every rank publishes its RANK and WORLD_SIZE in the rendezvous store and checks
-    them against rank 0's and the others': ranks started with disagreeing settings raise RankFailure naming the
-    mismatch within timeout_s (torch alone fails after several timeouts with a store or gloo error)."""
-    global _timeout_s, _finish_store
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s: must be > 0, got {timeout_s}")
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise ValueError(f"environment: {', '.join(missing)} not set; start the ranks with torchrun "
-                         f"(torchrun --nproc-per-node N -m ...) or set them")
-    rank, world_size, port = (_env_int(v) for v in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
-    if not 0 <= rank < world_size or not 0 < port < 65536:
-        raise ValueError(f"environment: RANK={rank} must be in [0, WORLD_SIZE={world_size}) and MASTER_PORT={port} "
-                         f"a port number")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # torchrun hosts the store
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=rank == 0 and not agent_store,
-                              timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
-        raise RankFailure(f"rank {rank}: cannot reach the rendezvous store at {os.environ['MASTER_ADDR']}:{port} "
-                          f"within {timeout_s:g} s: {e}") from e
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent's store outlives a restart: fresh keys
-    try:
-        _agree_on_world(dist.PrefixStore(f"w8a8_cpu/world/{attempt}", store), rank, world_size, timeout_s)
-    except RuntimeError as e:
-        if isinstance(e, RankFailure):
-            raise
-        raise RankFailure(f"rank {rank}: lost the rendezvous store while the ranks compared WORLD_SIZE (rank 0 "
-                          f"most likely exited): {e}") from e
-    dist.init_process_group(backend, store=dist.PrefixStore("w8a8_cpu/pg", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
-    _timeout_s = timeout_s
-    _finish_store = dist.PrefixStore(f"w8a8_cpu/finish/{attempt}", store)
-    atexit.unregister(_leave_at_exit)  # one call at exit, however many times init() ran
-    atexit.register(_leave_at_exit)
-    return dist.group.WORLD
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except ValueError:
-        raise ValueError(f"environment: {name}={os.environ[name]!r} is not an integer") from None
-
-
-def _agree_on_world(store, rank: int, world_size: int, timeout_s: float) -> None:
-    """Every rank's WORLD_SIZE equal, every rank of it present, each RANK taken once: else RankFailure naming it."""
-    taken = store.add(f"rank {rank}", 1)
-    if taken != 1:
-        raise RankFailure(f"rank {rank}: another process was started with RANK={rank} too; give each rank its own")
-    store.set(f"world size of rank {rank}", str(world_size))
-    deadline = time.monotonic() + timeout_s
-    for other in range(world_size):
-        key = f"world size of rank {other}"
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                said = "" if other == 0 else f"; rank 0 says WORLD_SIZE={store.get('world size of rank 0').decode()}" \
-                    if store.check(["world size of rank 0"]) else ""
-                raise RankFailure(f"rank {rank}: WORLD_SIZE={world_size}, but rank {other} did not join within "
-                                  f"{timeout_s:g} s{said}")
-            time.sleep(0.05)
-        theirs = int(store.get(key).decode())
-        if theirs != world_size:
-            raise RankFailure(f"rank {rank}: WORLD_SIZE={world_size}, but rank {other} was started with "
-                              f"WORLD_SIZE={theirs}; start every rank with the same WORLD_SIZE")
-
-
-def finish(group=None) -> None:
-    """Leave the process group: a barrier (RankFailure if a rank is gone), then destroy_process_group, rank 0 (the
-    rendezvous store's host when init() made the group) last, once the others have left (bounded by the timeout).
-    No rank tears down its connections, or rank 0 the store, while another still uses them: that has aborted a peer
-    in teardown (SIGABRT, "terminate called without an active exception").
-    Objects in reference cycles (a caught exception's frames, say) can keep gloo work and its tensors alive until
-    interpreter shutdown, where freeing them from gloo's threads takes the GIL and aborts the process (the same
-    message; seen rarely, 1 in ~250 local launches and once in CI, in a test whose ranks raise and catch
-    ValueErrors): a collection first frees them while the interpreter is whole."""
-    gc.collect()
-    _collective("final barrier", lambda: dist.barrier(group=group))
-    _leave(group)
-
-
-def _leave(group=None) -> None:
-    """finish() after its barrier: the groups torn down in order, rank 0 last."""
-    global _finish_store
-    whole_world = group is None or group is dist.group.WORLD
-    if _finish_store is None or not whole_world:
-        dist.destroy_process_group(group)
-        return
-    # rank 0 hosts the store (init): the others tear their groups down first and say so through it, so that the
-    # store's server never goes while a peer's teardown still talks to it (seen: a peer aborted, same message)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if rank != 0:
-        dist.destroy_process_group(group)
-        _finish_store.add("left", 1)
-    else:
-        deadline = time.monotonic() + (_timeout_s or DEFAULT_TIMEOUT_S)
-        while int(_finish_store.add("left", 0)) < world_size - 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        dist.destroy_process_group(group)
-    # the last reference to the store: its connection (on rank 0 its server and the server's thread) closes here,
-    # now that every rank is done with it, not in interpreter shutdown; a second collection for cycles through the
-    # destroyed group (the first one ran while it was still registered and alive)
-    _finish_store = None
-    gc.collect()
-
-
-def _leave_at_exit() -> None:
-    """A process that exits with init()'s group still up (an agreement check's ValueError left uncaught, any error
-    before finish()) leaves it as finish() does, without the barrier (a rank that failed alone would wait there for
-    the timeout, then fail): torch tore it down after the interpreter, where a thread of the group still running
-    aborted the process (SIGABRT, "terminate called without an active exception": 1 in ~20 launches of 2 ranks exiting
-    on load_sharded's ValueError, issue 50). Rank 0 waits for the others to leave, at most the group's timeout."""
-    if not dist.is_initialized():
-        return
-    gc.collect()
-    try:
-        _leave()
-    except RuntimeError:  # the store already gone (rank 0 died): nothing left to order
-        pass
-
-
-def _collective(what: str, fn, *tensors: torch.Tensor) -> None:
-    t0 = time.perf_counter()
-    try:
-        fn()
-    except RuntimeError as e:
-        limit = f"{_timeout_s:g} s" if _timeout_s is not None else "the process group's timeout"
-        raise RankFailure(f"{what} failed on rank {dist.get_rank()} of {dist.get_world_size()}: another rank most "
-                          f"likely died or stalled (collectives wait at most {limit}): {e}") from e
-    STATS.seconds += time.perf_counter() - t0
-    STATS.calls += 1
-    STATS.bytes += sum(t.numel() * t.element_size() for t in tensors)
-
-
-def all_reduce(tensor: torch.Tensor, op, what: str, group=None) -> torch.Tensor:
-    """In-place all-reduce, timed into STATS; a failure raises RankFailure naming `what`."""
-    _collective(what, lambda: dist.all_reduce(tensor, op=op, group=group), tensor)
-    return tensor
+from .agreement import (agree, agree_on_replicated_tensors, agree_on_sharding, check_same_weights, require_same,
+                        require_same_rows, same_input_hook, weight_checksums)
+from .process_group import STATS, CommStats, RankFailure, all_reduce, finish, init
 
 
 def _split(total: int, parts: int, rank: int, what: str) -> slice:
@@ -297,20 +123,9 @@ class RowParallelW8A8Linear(torch.nn.Module):
         self.register_buffer("w_scale", local.w_scale)
         self.register_buffer("bias", local.bias)
 
-    def _check_input_shapes(self, x: torch.Tensor) -> None:
-        mine = torch.tensor([*_shape_fingerprint(x.shape[:-1]), x.shape[-1], self.in_features], dtype=torch.int64)
-        everyone = _gathered(mine, f"{self.name}: input agreement", self.group)
-        for rank, theirs in enumerate(everyone):
-            if theirs[-2] != theirs[-1]:
-                raise ValueError(f"x: rank {rank}'s input to {self.name} has {int(theirs[-2])} columns, but its slice "
-                                 f"of the layer takes {int(theirs[-1])}")
-            if not torch.equal(theirs[:-2], everyone[0][:-2]):
-                raise ValueError(f"x: rank {rank}'s input to {self.name} has rows of shape {_shape_of(theirs)}, rank "
-                                 f"0's {_shape_of(everyone[0])}; every rank passes the same rows (each its K-slice)")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.inputs_agreed:
-            self._check_input_shapes(x)
+            require_same_rows(x, self.in_features, self.name, self.group)
         x2 = x.reshape(-1, x.shape[-1])
         if self.exact:
             # a NaN row absmax as +Inf: gloo's MAX keeps or drops NaN by operand order (a NaN on one rank gave every
@@ -349,8 +164,8 @@ class ExpertParallelW8A8Experts(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if not self.inputs_agreed:
-            _require_same({"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights},
-                          "MoE input", "every rank must pass the same tokens and routing", self.group)
+            require_same({"hidden_states": hidden_states, "top_k_index": top_k_index, "top_k_weights": top_k_weights},
+                         "MoE input", "every rank must pass the same tokens and routing", self.group)
         _check_expert_ids(top_k_index, self.num_experts)
         tokens, top_k = top_k_index.shape
         local_ids = top_k_index - self.first_expert
@@ -376,70 +191,6 @@ class ExpertParallelW8A8Experts(torch.nn.Module):
                 f"{self.num_experts}, exact={self.exact}")
 
 
-# ---- agreement across ranks ------------------------------------------------------------------------------------
-
-def agree(values: Dict[str, str], what: str, group=None) -> None:
-    """Every rank's `values` equal to rank 0's, else ValueError on every rank naming the first key that differs and
-    both values: what a rank was given (config, checkpoint headers, options) is compared once, before a collective
-    with mismatched sizes could abort a rank (gloo ends the process) or the ranks compute a silently wrong answer."""
-    everyone: List[Optional[Dict[str, str]]] = [None] * dist.get_world_size(group)
-    _collective(f"{what}: agreement across ranks", lambda: dist.all_gather_object(everyone, values, group=group))
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        differ = [key for key in sorted(reference.keys() | theirs.keys()) if reference.get(key) != theirs.get(key)]
-        if differ:
-            key, more = differ[0], differ[1:4]
-            also = f" (and in {', '.join(more)}{', ...' if len(differ) > 4 else ''})" if more else ""
-            raise ValueError(f"{what}: rank {rank} differs from rank 0 in {key}: {_short(theirs.get(key))} on rank "
-                             f"{rank}, {_short(reference.get(key))} on rank 0{also}; every rank must be given the "
-                             f"same")
-
-
-def _short(value: Optional[str]) -> str:
-    if value is None:
-        return "nothing"
-    return repr(value if len(value) <= 120 else value[:120] + "...")
-
-
-def _config_values(config) -> Dict[str, str]:
-    return {f"config {k}": json.dumps(v, sort_keys=True, default=str) for k, v in config.to_dict().items()
-            if k not in ("_name_or_path", "transformers_version")}
-
-
-def _shape_fingerprint(shape) -> List[int]:
-    """[dims, the first 4 sizes (padded with -1), number of elements]: a fixed size, so that exchanging it cannot
-    itself mismatch across ranks."""
-    sizes = list(shape)
-    return [len(sizes), *sizes[:4], *[-1] * (4 - min(len(sizes), 4)), math.prod(sizes)]
-
-
-def _shape_of(fingerprint: torch.Tensor) -> tuple:
-    return tuple(int(d) for d in fingerprint[1:1 + min(int(fingerprint[0]), 4)])
-
-
-def _gathered(mine: torch.Tensor, what: str, group) -> List[torch.Tensor]:
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    _collective(what, lambda: dist.all_gather(everyone, mine, group=group), mine)
-    return everyone
-
-
-def _require_same(tensors: Dict[str, torch.Tensor], what: str, advice: str, group) -> None:
-    """Every rank's tensors equal to rank 0's (shape and crc32 of the bytes, one small all-gather), else the same
-    ValueError on every rank naming the first that differs: a size that differed would abort a rank inside the next
-    all-reduce (gloo ends the process), other values would give every rank a wrong answer."""
-    def fingerprint(t: torch.Tensor) -> List[int]:
-        t = t.detach().contiguous()
-        return [*_shape_fingerprint(t.shape), zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data)]
-
-    everyone = _gathered(torch.tensor([fingerprint(t) for t in tensors.values()], dtype=torch.int64),
-                         f"{what} agreement", group)
-    for rank, theirs in enumerate(everyone):
-        for name, a, b in zip(tensors, theirs, everyone[0]):
-            if not torch.equal(a, b):
-                raise ValueError(f"{name}: rank {rank}'s {what} differs from rank 0's (shape {_shape_of(a)} vs "
-                                 f"{_shape_of(b)}, crc32 {int(a[-1]):#x} vs {int(b[-1]):#x}); {advice}")
-
-
 def _check_expert_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
     """fused_experts' rule on the whole model's ids: each rank keeps the ids of its experts, so an id outside every
     rank's range was dropped on all of them (its slot added 0, silently)."""
@@ -450,67 +201,16 @@ def _check_expert_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
                          f"[0, {num_experts})")
 
 
-def _check_same_input(group):
-    """A forward pre-hook for a sharded model: every rank's input ids (or input embeddings) equal, checked with one
-    small all-gather per forward."""
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        if isinstance(ids, torch.Tensor):
-            _require_same({"input": ids}, "forward input", "every rank must run the same tokens", group)
-    return hook
-
-
 def _sharded_forward_checks(model: torch.nn.Module, group) -> None:
     """The model's input compared across ranks once per forward; its sharded modules then skip their own comparison
     (what they are given follows from that input and the weights, which are compared when sharding)."""
-    model.register_forward_pre_hook(_check_same_input(group), with_kwargs=True)
+    model.register_forward_pre_hook(same_input_hook(group), with_kwargs=True)
     for module in model.modules():
         if isinstance(module, (RowParallelW8A8Linear, ExpertParallelW8A8Experts)):
             module.inputs_agreed = True
 
 
 # ---- whole models ----------------------------------------------------------------------------------------------
-
-def _is_packed(t: torch.Tensor) -> bool:
-    """A packed weight blob, or one per row (packed experts): each row starts with the blob magic."""
-    return t.dtype == torch.uint8 and t.dim() in (1, 2) and t.shape[-1] >= HEADER_BYTES and \
-        all(bytes(row[:len(MAGIC)].tolist()) == MAGIC for row in t.reshape(-1, t.shape[-1]))
-
-
-def weight_checksums(model: torch.nn.Module) -> Dict[str, int]:
-    """crc32 of every tensor of the model's state (int8 weights, scales, float parameters), by name. Packed weights
-    (one blob, or one per expert) are checksummed as the int8 [N, K] weights they hold: hosts whose CPUs pick
-    different kernel variants pack the same weight differently (layout, the packing variant's name), and must still
-    agree."""
-    sums = {}
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().contiguous()
-        crc = 0
-        for part in ([unpack_weight(row) for row in t.reshape(-1, t.shape[-1])] if _is_packed(t) else [t]):
-            crc = zlib.crc32(part.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
-        sums[name] = crc
-    return sums
-
-
-def check_same_weights(model: torch.nn.Module, group=None) -> None:
-    """Raise ValueError naming the first tensor and the ranks where the model differs from rank 0's."""
-    mine = weight_checksums(model)
-    everyone: List[Optional[Dict[str, int]]] = [None] * dist.get_world_size(group)
-    _collective("weight checksum exchange", lambda: dist.all_gather_object(everyone, mine, group=group))
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs.keys() != reference.keys():
-            raise ValueError(f"model: rank {rank} holds other tensors than rank 0 "
-                             f"({sorted(theirs.keys() ^ reference.keys())[:3]}...); every rank must load the same "
-                             f"model")
-        differ = [name for name in reference if theirs[name] != reference[name]]
-        if differ:
-            more = f" and {len(differ) - 1} more tensors" if len(differ) > 1 else ""
-            raise ValueError(f"model: rank {rank}'s weights differ from rank 0's at {differ[0]}{more} (crc32 of the "
-                             f"int8 weights and tensors); every rank must load the same model")
-
 
 @dataclass
 class ShardReport:
@@ -612,7 +312,8 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
     check_weights compares a checksum of every tensor across ranks first (ValueError naming the first that
     differs)."""
     plan = plan_shards(model, group, attention, exact)
-    agree({**_config_values(model.config), **_options(plan, exact, model.dtype)}, "shard_model", group)
+    agree_on_sharding(model.config, plan.report.world_size, plan.report.attention, exact, model.dtype, "shard_model",
+                      group)
     if check_weights:
         check_same_weights(model, group)
     for name, shard in plan.linears.items():
@@ -621,11 +322,6 @@ def shard_model(model: torch.nn.Module, group=None, attention: str = "auto", exa
         replace_module(model, name, shard.of(_require_quantized(model.get_submodule(name), name, W8A8Experts)))
     _sharded_forward_checks(model, group)
     return plan.report
-
-
-def _options(plan: ShardPlan, exact: bool, dtype) -> Dict[str, str]:
-    return {"world size": str(plan.report.world_size), "attention": plan.report.attention, "exact": str(exact),
-            "dtype": str(dtype)}
 
 
 def load_sharded(directory, group=None, attention: str = "auto", exact: bool = True,
@@ -640,15 +336,12 @@ def load_sharded(directory, group=None, attention: str = "auto", exact: bool = T
 
     def planned(empty: torch.nn.Module, headers: Dict[str, str]) -> ShardPlan:
         plan = plan_shards(empty, group, attention, exact)
-        agree({**_config_values(empty.config), **_options(plan, exact, empty.dtype),
-               **{f"tensor {name}": header for name, header in headers.items()}}, "load_sharded", group)
+        agree_on_sharding(empty.config, plan.report.world_size, plan.report.attention, exact, empty.dtype,
+                          "load_sharded", group, headers)
         return plan
 
     model, plan = load(directory, planned, dtype)
-    sharded = set(plan.linears) | set(plan.experts)
-    replicated = {name: str(crc) for name, crc in weight_checksums(model).items()
-                  if not any(name.startswith(layer + ".") for layer in sharded)}
-    agree({f"replicated tensor {name}": crc for name, crc in replicated.items()}, "load_sharded", group)
+    agree_on_replicated_tensors(model, [*plan.linears, *plan.experts], "load_sharded", group)
     _sharded_forward_checks(model, group)
     return model, plan.report
 

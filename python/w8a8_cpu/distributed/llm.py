@@ -15,9 +15,10 @@ import time
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
-from . import (STATS, DEFAULT_TIMEOUT_S, ExpertParallelW8A8Experts, RowParallelW8A8Linear, _collective, dist, finish,
-               init, shard_model)
+from . import ExpertParallelW8A8Experts, RowParallelW8A8Linear, shard_model
+from .process_group import DEFAULT_TIMEOUT_S, STATS, _collective, finish, init
 
 
 def _parser():

@@ -130,8 +130,8 @@ struct MicroKernel {
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   float (*softmax_numerators)(float* s, int64_t len, int64_t n) = nullptr;
   // Optional: activation.h's attend_key_block_row (one query head over one block of the decode attention's keys) in
-  // the variant's ISA, or a copy of it that reorders nothing but the independent work (x86_common.h's
-  // attend_key_block_x86): likewise the same bits.
+  // the variant's ISA, or a copy of it that reorders nothing but the independent work (attention_key_block.h's
+  // attend_key_block_vectors): likewise the same bits.
   float (*attend_key_block)(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
                             float* out, float* max) = nullptr;
 

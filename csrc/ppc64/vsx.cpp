@@ -152,7 +152,7 @@ void vsx_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale,
 
 float vsx_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
                           float* out, float* max) {
-  return attend_key_block_vec4(query, rows, keys, d, scores, out, max);
+  return attend_key_block_vectors<Vec4Ops>(query, rows, keys, d, scores, out, max);
 }
 
 extern const MicroKernel kVsxKernel;  // external linkage: the registry refers to it

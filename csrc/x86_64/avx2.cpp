@@ -391,7 +391,7 @@ const MicroKernel kAvx2Kernel = {
     avx2_int4_tile,
     silu_mul_row,
     softmax_numerators_row,
-    attend_key_block_x86,
+    attend_key_block_vectors<Avx2Ops>,
     scale_tile,
     avx2_two_panel_rows,
     avx2_int4_two_panel_rows,

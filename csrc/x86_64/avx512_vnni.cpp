@@ -238,7 +238,7 @@ const MicroKernel kAvx512VnniKernel = {
     vnni_int4_tile,
     silu_mul_row,
     softmax_numerators_row,
-    attend_key_block_x86,
+    attend_key_block_vectors<Avx2Ops>,
     scale_tile,
     vnni_two_panel_rows,
     vnni_int4_two_panel_rows,

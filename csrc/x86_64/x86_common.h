@@ -1,6 +1,6 @@
-// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the decode
-// attention's key blocks (fp32, fp16 and int8 caches), and the AVX2 per-token quantization (defined in avx2.cpp; every
-// x86 variant requires AVX2).
+// What every x86 variant shares: the panel geometry and prefetch distance, the int4 panel stream, the AVX2 vector
+// operations of the decode attention's key blocks (attention_key_block.h: fp32, fp16 and int8 caches), and the AVX2
+// per-token quantization (defined in avx2.cpp; every x86 variant requires AVX2).
 #pragma once
 
 #include <immintrin.h>
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../common/activation.h"
+#include "../common/attention_key_block.h"
 #include "../common/microkernel.h"
 
 namespace w8a8_cpu {
@@ -95,107 +95,47 @@ inline __m256 load_scales8(const uint8_t* at, bool half) {
               : _mm256_loadu_ps(reinterpret_cast<const float*>(at));
 }
 
-// 8 x 8 floats transposed: r[i] lane j <- r[j] lane i.
-inline void transpose8x8(__m256 r[8]) {
-  __m256 t[8], s[8];
-#pragma GCC unroll 4
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-#pragma GCC unroll 2
-  for (int i = 0; i < 8; i += 4)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      s[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
-      s[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
-    }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
+// attention_key_block.h's vector operations in AVX2 (F16C's widening for fp16 caches).
+struct Avx2Ops {
+  using Vec = __m256;
+  static constexpr int kWidth = 8;
+
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* at) { return _mm256_loadu_ps(at); }
+  // Elements [i, i + 8) of a cached row of `Kind` as fp32 (exact: F16C's widening, int8 through int32).
+  template <KvKind Kind>
+  static Vec load_kv(const void* row, int64_t i) {
+    if constexpr (Kind == KvKind::f32) return _mm256_loadu_ps(static_cast<const float*>(row) + i);
+    if constexpr (Kind == KvKind::f16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
+    if constexpr (Kind == KvKind::i8)
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + i))));
   }
-}
-
-// Elements [i, i + 8) of a cached row of `Kind` as fp32 (exact: F16C's widening, int8 through int32).
-template <KvKind Kind>
-inline __m256 load_kv8(const void* row, int64_t i) {
-  if constexpr (Kind == KvKind::f32) return _mm256_loadu_ps(static_cast<const float*>(row) + i);
-  if constexpr (Kind == KvKind::f16)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + i)));
-  if constexpr (Kind == KvKind::i8)
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(row) + i))));
-}
-
-// activation.h's attend_key_block_row (the rule, and its bits: every operation below is one of it, in its order),
-// restructured for AVX2. The row's two loops are latency chains: each key's lane_dot ends in 16 scalar adds one after
-// another, and o[e] += w v[j][e] goes through memory for every key. Here 8 keys' 16 lane sums are transposed so that
-// one vector add does the same step of all 8 sums (then one product by their 8 scales for int8), and the weighted
-// values accumulate in registers, 64 dims at a time over tiles of kValueTile keys (a tile's values stay in L1 for the
-// next 64 dims). fp32 rows: decode_attention_ of SmolLM2's layer (9 heads, d = 64, 1 thread, Zen3, K / V in cache)
-// ~1.6x the row's speed at 1024 keys, ~1.8x at 2048.
-template <KvKind Kind>
-inline float attend_key_block_x86_kind(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                                       float* out, float* max) {
-  const int64_t row_bytes = d * kv_element_bytes(Kind);
-  const char* k = static_cast<const char*>(rows.k);
-  const char* v = static_cast<const char*>(rows.v);
-  int64_t j = 0;
-  for (; j + 8 <= keys; j += 8) {
-    __m256 low[8], high[8];  // lane_dot's lanes 0-7 and 8-15 of key j + t
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const char* key = k + (j + t) * row_bytes;
-      __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 16) {
-        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(query + i), load_kv8<Kind>(key, i)));
-        b = _mm256_add_ps(b, _mm256_mul_ps(_mm256_loadu_ps(query + i + 8), load_kv8<Kind>(key, i + 8)));
+  static Vec set1(float w) { return _mm256_set1_ps(w); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static void store(float* at, Vec v) { _mm256_storeu_ps(at, v); }
+  // 8 x 8 floats transposed: r[i] lane j <- r[j] lane i.
+  static void transpose(Vec r[8]) {
+    Vec t[8], s[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2)
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+#pragma GCC unroll 2
+    for (int i = 0; i < 8; i += 4)
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        s[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
+        s[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xee);
       }
-      low[t] = a, high[t] = b;
-    }
-    transpose8x8(low);  // low[l]: lane l of the 8 keys
-    transpose8x8(high);
-    __m256 sum = _mm256_setzero_ps();
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) sum = _mm256_add_ps(sum, low[l]);
-#pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) sum = _mm256_add_ps(sum, high[l]);
-    if constexpr (Kind == KvKind::i8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(rows.k_scale + j));
-    _mm256_storeu_ps(scores + j, sum);
-  }
-  for (; j < keys; ++j) scores[j] = key_score<Kind>(query, rows, j, d);
-  const float total = softmax_numerators_with_max(scores, keys, keys, max);
-  constexpr int64_t kValueTile = 128;
-  for (int64_t j0 = 0; j0 < keys; j0 += kValueTile) {
-    const int64_t j1 = std::min(keys, j0 + kValueTile);
-    for (int64_t e0 = 0; e0 < d; e0 += 64) {
-      const int vectors = static_cast<int>(std::min<int64_t>(64, d - e0) / 8);
-      __m256 acc[8];
-      for (int b = 0; b < 8; ++b)
-        acc[b] = j0 == 0 || b >= vectors ? _mm256_setzero_ps() : _mm256_loadu_ps(out + e0 + b * 8);
-      auto accumulate = [&](auto all_eight) {
-        for (int64_t key = j0; key < j1; ++key) {
-          const __m256 w = _mm256_set1_ps(value_weight<Kind>(scores[key], rows, key));
-          const char* value = v + key * row_bytes;
-          for (int b = 0; b < (all_eight ? 8 : vectors); ++b)
-            acc[b] = _mm256_add_ps(acc[b], _mm256_mul_ps(w, load_kv8<Kind>(value, e0 + b * 8)));
-        }
-      };
-      if (vectors == 8)
-        accumulate(std::true_type{});
-      else
-        accumulate(std::false_type{});
-      for (int b = 0; b < vectors; ++b) _mm256_storeu_ps(out + e0 + b * 8, acc[b]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x20);
+      r[i + 4] = _mm256_permute2f128_ps(s[i], s[i + 4], 0x31);
     }
   }
-  return total;
-}
-
-// MicroKernel::attend_key_block of the x86 variants.
-inline float attend_key_block_x86(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                                  float* out, float* max) {
-  return attend_key_block_by_kind(query, rows, keys, d, scores, out, max, [&](auto kind) {
-    return attend_key_block_x86_kind<decltype(kind)::value>(query, rows, keys, d, scores, out, max);
-  });
-}
+};
 
 }  // namespace
 

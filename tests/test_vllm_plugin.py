@@ -5,29 +5,19 @@ serves in a real vLLM model (W8A8 dynamic, static, static asymmetric; W4A8; int8
 layers give on the same checkpoint; and a real `vllm serve` on loopback answers through the OpenAI API with our kernels,
 its prompt perplexity within 0.2% of our own path's on the same text."""
 import importlib.metadata
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_python
-from tiny_models import tiny_causal_lm
+from vllm_served import engine_env, require_vllm, tiny_checkpoint
 
 pytestmark = pytest.mark.slow_under_emulation
 
 GROUP = "vllm.general_plugins"
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 LOGGER = "vllm.plugins.w8a8_cpu"
-
-
-def require_vllm():
-    if not HAVE_VLLM and os.environ.get("W8A8_CPU_TEST_VLLM") == "1":
-        pytest.fail("W8A8_CPU_TEST_VLLM=1 but vLLM does not import: bash ci/vllm-env.sh VENV")
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (bash ci/vllm-env.sh VENV sets up a venv with it)")
 
 
 # ---- every run -------------------------------------------------------------------------------------------------
@@ -143,82 +133,22 @@ def test_what_cannot_apply_changes_nothing_and_says_so_in_one_line(setup, env, w
 
 # ---- every served layer equals w8a8_cpu's own layer on the same checkpoint --------------------------------------
 
-def tiny_checkpoint(directory: Path, kind: str) -> Path:
-    """A tiny random Llama (or Mixtral for "moe..."), quantized by w8a8_cpu and saved as a compressed-tensors checkpoint
-    (no tokenizer: the layer test starts vLLM with skip_tokenizer_init). head_dim 64: vLLM's CPU attention sizes."""
-    from w8a8_cpu.llm import calibrate_static_activations, save_compressed
-    from w8a8_cpu.nn import quantize_model
-    model = tiny_causal_lm("mixtral" if kind.startswith("moe") else "llama", vocab_size=512, hidden_size=256,
-                           intermediate_size=512, max_position_embeddings=256)
-    quantize_model(model, skip=["lm_head", "*.gate"], **({"scheme": "w4a8"} if kind.endswith("w4a8") else {}))
-    if kind.startswith("static"):
-        calibrate_static_activations(model, torch.randint(0, 512, (2, 64)), symmetric=kind == "static")
-    save_compressed(model, directory)
-    return directory
-
-
-# In a child, vLLM in this process (no engine subprocess), eager: every layer vLLM built with w8a8_cpu's kernel or
-# scheme against w8a8_cpu's own layers loaded from the same checkpoint (load_quantized), on the same bf16 inputs:
-# [M, K] rows for linears (the fused q/k/v and gate/up layers against their parts' outputs side by side), tokens
-# routed to two experts each for MoE layers. Prints a JSON line {kind: count of layers equal} and the first mismatch.
+# In a child, vLLM in this process (vllm_served.start_engine): every layer vLLM built with w8a8_cpu's kernel or scheme
+# against w8a8_cpu's own layers loaded from the same checkpoint (vllm_served.compare_served_layers). Prints a JSON line
+# {"equal": {kind: count of layers equal}, "mismatches": [the first three others]}.
 LAYERS = """
-import json, os, sys, torch
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM
-from w8a8_cpu.compat.vllm._linear import W8A8CpuInt8Kernel, W8A8CpuW4A8
-from w8a8_cpu.compat.vllm._moe import W8A8CpuMoE
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from vllm_served import compare_served_layers, start_engine
 from w8a8_cpu.llm import load_quantized
-from w8a8_cpu.nn import W8A8Experts
-checkpoint = sys.argv[1]
-ours = dict(load_quantized(checkpoint).named_modules())
-llm = LLM(model=checkpoint, max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=4)
-def compare(model):
-    parts = getattr(model, "packed_modules_mapping", {})
-    gen = torch.Generator().manual_seed(0)
-    equal, mismatches = {}, []
-    for name, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        scheme = getattr(layer, "scheme", None)
-        kind = (type(scheme).__name__ if isinstance(scheme, W8A8CpuW4A8) else
-                "int8:" + type(scheme).__name__ if isinstance(getattr(scheme, "kernel", None), W8A8CpuInt8Kernel) else
-                type(method).__name__ if isinstance(method, W8A8CpuMoE) else None)
-        if kind is None:
-            continue
-        if isinstance(method, W8A8CpuMoE):
-            layer_index = name.split(".layers.")[1].split(".")[0]
-            [experts] = [m for n, m in ours.items() if isinstance(m, W8A8Experts) and f".layers.{layer_index}." in n]
-            x = torch.randn(5, experts.hidden_dim, generator=gen).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(experts.num_experts, generator=gen)[:2] for _ in range(5)])
-            ids = ids.to(torch.int32)
-            weights = torch.rand(5, 2, generator=gen).softmax(-1)
-            got = method.apply(layer, x, weights, ids, None, None)
-            want = experts(x, ids, weights)
-        else:
-            prefix, _, last = name.rpartition(".")
-            mine = [ours[f"{prefix}.{p}"] for p in parts.get(last, [last])]
-            x = torch.randn(3, mine[0].in_features, generator=gen).to(torch.bfloat16)
-            got = method.apply(layer, x, layer.bias)
-            want = torch.cat([m(x) for m in mine], dim=-1)
-        if torch.equal(got, want):
-            equal[kind] = equal.get(kind, 0) + 1
-        else:
-            mismatches.append(f"{name}: max |diff| {(got.float() - want.float()).abs().max().item()}")
-    return equal, mismatches
-[(equal, mismatches)] = llm.apply_model(compare)
-print(json.dumps({"equal": equal, "mismatches": mismatches[:3]}))
+ours = dict(load_quantized(sys.argv[1]).named_modules())
+print(json.dumps(compare_served_layers(start_engine(sys.argv[1]), ours)))
 """
-
-
-def engine_env(tmp_path: Path, switch: str) -> dict:
-    """A vLLM engine child's environment: the plugin's switch, one thread, a small KV cache, vLLM's caches and
-    configuration under the test's folder (never the user's), no usage reports."""
-    return dict(W8A8_CPU_VLLM=switch, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0",
-                VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"), VLLM_CONFIG_ROOT=str(tmp_path / "vllm-config"),
-                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+TESTS = str(Path(__file__).resolve().parent)
 
 
 def served_layers(checkpoint: Path, tmp_path: Path, switch: str) -> dict:
-    child = run_python(LAYERS, str(checkpoint), **engine_env(tmp_path, switch))
+    child = run_python(LAYERS, str(checkpoint), TESTS, **engine_env(tmp_path, switch))
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
 
@@ -238,10 +168,10 @@ def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected)
 
 
 VLLM_LOADS = """
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM
-LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, skip_tokenizer_init=True, max_num_seqs=4)
+import sys
+sys.path.insert(0, sys.argv[2])
+from vllm_served import start_engine
+start_engine(sys.argv[1])
 """
 
 
@@ -260,7 +190,7 @@ def test_a_checkpoint_scale_not_finite_and_positive_stops_the_load_naming_the_la
         tensors[key].view(-1)[3] = value
 
     edit_tensors(checkpoint, edit)
-    child = run_python(VLLM_LOADS, str(checkpoint), **engine_env(tmp_path, "all"))
+    child = run_python(VLLM_LOADS, str(checkpoint), TESTS, **engine_env(tmp_path, "all"))
     where = ("model.layers.1.block_sparse_moe.experts.w2_weight_scale" if kind == "moe" else
              "model.layers.1.mlp.down_proj.weight_scale")
     assert child.returncode != 0

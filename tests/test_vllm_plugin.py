@@ -133,16 +133,16 @@ def test_what_cannot_apply_changes_nothing_and_says_so_in_one_line(setup, env, w
 
 # ---- every served layer equals w8a8_cpu's own layer on the same checkpoint --------------------------------------
 
-# In a child, vLLM in this process (vllm_served.start_engine): every layer vLLM built with w8a8_cpu's kernel or scheme
+# In a child, vLLM in this process (vllm_served.on_engine): every layer vLLM built with w8a8_cpu's kernel or scheme
 # against w8a8_cpu's own layers loaded from the same checkpoint (vllm_served.compare_served_layers). Prints a JSON line
 # {"equal": {kind: count of layers equal}, "mismatches": [the first three others]}.
 LAYERS = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
-from vllm_served import compare_served_layers, start_engine
+from vllm_served import compare_served_layers, on_engine
 from w8a8_cpu.llm import load_quantized
 ours = dict(load_quantized(sys.argv[1]).named_modules())
-print(json.dumps(compare_served_layers(start_engine(sys.argv[1]), ours)))
+print(json.dumps(on_engine(sys.argv[1], lambda llm: compare_served_layers(llm, ours))))
 """
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -154,11 +154,11 @@ def served_layers(checkpoint: Path, tmp_path: Path, switch: str) -> dict:
 
 
 @pytest.mark.parametrize("kind, expected", [
-    ("dynamic", {"int8:CompressedTensorsW8A8Int8": 8}),   # 2 layers x q/k/v, o, gate/up, down
-    ("static", {"int8:CompressedTensorsW8A8Int8": 8}),
-    ("static-asymmetric", {"int8:CompressedTensorsW8A8Int8": 8}),
+    ("dynamic", {"int8:W8A8CpuInt8Scheme": 8}),   # 2 layers x q/k/v, o, gate/up, down
+    ("static", {"int8:W8A8CpuInt8Scheme": 8}),
+    ("static-asymmetric", {"int8:W8A8CpuInt8Scheme": 8}),
     ("w4a8", {"W8A8CpuW4A8": 8}),
-    ("moe", {"int8:CompressedTensorsW8A8Int8": 4, "W8A8CpuMoE": 2}),  # attention linears, each layer's experts
+    ("moe", {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2}),  # attention linears, each layer's experts
     ("moe-w4a8", {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}),
 ])
 def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected):
@@ -170,32 +170,94 @@ def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected)
 VLLM_LOADS = """
 import sys
 sys.path.insert(0, sys.argv[2])
-from vllm_served import start_engine
-start_engine(sys.argv[1])
+from vllm_served import on_engine
+on_engine(sys.argv[1])
 """
 
 
-@pytest.mark.parametrize("kind, value", [("dynamic", 0.0), ("w4a8", -1.0), ("moe", 0.0)])
-def test_a_checkpoint_scale_not_finite_and_positive_stops_the_load_naming_the_layer(tmp_path, kind, value):
-    """An untrusted checkpoint through vLLM: a weight scale of 0 or below (vLLM's loader takes it) is refused by the
-    plugin at load, a ValueError naming the layer and parameter, before anything is packed or served."""
+def tensor_edit(key: str, value=None, dtype=None):
+    """An edit of a checkpoint folder: tensor `key`'s element 3 (of a single value: all) set to value, or the
+    tensor (value a list: replaced by it) converted to dtype."""
+    def edit(directory):
+        from test_checkpoint import edit_tensors
+
+        def change(tensors):
+            t = tensors[key]
+            if isinstance(value, list):
+                t = torch.tensor(value, dtype=dtype)
+            elif value is not None:
+                t = t.clone()
+                t.view(-1)[3 if t.numel() > 3 else slice(None)] = value
+            else:
+                t = t.to(dtype)
+            tensors[key] = t
+        edit_tensors(directory, change)
+    return edit
+
+
+def scaled_input(key: str, factor: float):
+    """An edit: static activation scale `key` times factor."""
+    def edit(directory):
+        from test_checkpoint import edit_tensors
+        edit_tensors(directory, lambda tensors: tensors.update({key: tensors[key] * factor}))
+    return edit
+
+
+def config_edit(field: str, value):
+    """An edit: config.json's quantization_config group_0 (the first group) field "section.key" set to value."""
+    def edit(directory):
+        config = json.loads((directory / "config.json").read_text())
+        section, key = field.split(".")
+        next(iter(config["quantization_config"]["config_groups"].values()))[section][key] = value
+        (directory / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+DOWN, EXPERT_W2 = "model.layers.1.mlp.down_proj", "model.layers.1.block_sparse_moe.experts.2.w2"
+
+
+@pytest.mark.parametrize("kind, edit, error", [
+    ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 0.0),
+     f"{DOWN}.weight_scale: holds a weight scale that is not finite and > 0"),
+    ("w4a8", tensor_edit(f"{DOWN}.weight_scale", -1.0),
+     f"{DOWN}.weight_scale: holds a weight scale that is not finite and > 0"),
+    ("moe", tensor_edit(f"{EXPERT_W2}.weight_scale", 0.0),
+     "model.layers.1.block_sparse_moe.experts.w2_weight_scale: holds a weight scale that is not finite and > 0"),
+    ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 3e38),
+     f"{DOWN}.weight_scale: holds a scale whose weights (128 x the scale) overflow fp32"),
+    ("static", tensor_edit(f"{DOWN}.input_scale", float("inf")),
+     f"{DOWN}: input_scale: expected one finite float > 0, got inf"),
+    ("static", scaled_input("model.layers.1.mlp.gate_proj.input_scale", 2.0),
+     "model.layers.1.mlp.gate_up_proj: input_scale / input_zero_point: the fused parts' static activation parameters "
+     "differ"),
+    ("static-asymmetric", tensor_edit("model.layers.1.self_attn.o_proj.input_zero_point", [300], torch.int32),
+     "model.layers.1.self_attn.o_proj: input_zero_point: expected one integer in [-128, 127]"),
+    ("dynamic", tensor_edit(f"{DOWN}.weight", dtype=torch.int16),
+     f"{DOWN}.weight: the checkpoint's tensor is int16; expected int8"),
+    ("w4a8", tensor_edit("model.layers.0.self_attn.k_proj.weight_shape", [256, 128], torch.int64),
+     "model.layers.0.self_attn.qkv_proj.weight_shape: the checkpoint's tensor is int64 [256, 128]; expected int64 or "
+     "int32 [128, 256]"),
+    ("moe-w4a8", tensor_edit(f"{EXPERT_W2}.weight_shape", [512, 256], torch.int64),
+     "model.layers.1.block_sparse_moe.experts.w2_weight_shape: the checkpoint's tensor is int64 [512, 256]; expected "
+     "int64 or int32 [256, 512]"),
+    ("dynamic", config_edit("input_activations.type", "float"),
+     "model.layers.0.self_attn.qkv_proj: quantization_config: input_activations.type 'float'; w8a8_cpu runs integers "
+     "only"),
+], ids=["scale-0", "int4-scale-negative", "moe-scale-0", "scale-overflows", "input-scale-inf",
+        "fused-input-scales-differ", "zero-point-300", "int16-weight", "int4-weight-shape", "moe-int4-weight-shape",
+        "float-activations"])
+def test_a_checkpoint_load_quantized_refuses_stops_the_load_naming_the_layer(tmp_path, kind, edit, error):
+    """An untrusted checkpoint through vLLM, edited where load_quantized refuses it (found by tests/hostile's vllm
+    surface): the plugin refuses it at load with a ValueError naming the layer and the parameter, before anything is
+    served. vLLM alone takes each of them: its loaders convert a tensor to the parameter's dtype (an int32 zero point
+    300 became int8 44), keep one of the fused parts' activation scales and weight shapes, and read int8 tensors
+    whatever the config's type says."""
     require_vllm()
-    from test_checkpoint import edit_tensors
     checkpoint = tiny_checkpoint(tmp_path / kind, kind)
-    key = ("model.layers.1.block_sparse_moe.experts.2.w2.weight_scale" if kind == "moe" else
-           "model.layers.1.mlp.down_proj.weight_scale")
-
-    def edit(tensors):
-        tensors[key] = tensors[key].clone()
-        tensors[key].view(-1)[3] = value
-
-    edit_tensors(checkpoint, edit)
+    edit(checkpoint)
     child = run_python(VLLM_LOADS, str(checkpoint), TESTS, **engine_env(tmp_path, "all"))
-    where = ("model.layers.1.block_sparse_moe.experts.w2_weight_scale" if kind == "moe" else
-             "model.layers.1.mlp.down_proj.weight_scale")
     assert child.returncode != 0
-    assert f"ValueError: {where}: holds a weight scale that is not finite and > 0" in child.stderr, \
-        child.stderr[-3000:]
+    assert f"ValueError: {error}" in child.stderr, child.stderr[-3000:]
 
 
 def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
@@ -205,7 +267,7 @@ def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
     amx = torch.cpu._is_amx_tile_supported()
     checkpoint = tiny_checkpoint(tmp_path / "moe", "moe")
     assert served_layers(checkpoint, tmp_path, "1") == {
-        "equal": {} if amx else {"int8:CompressedTensorsW8A8Int8": 4, "W8A8CpuMoE": 2}, "mismatches": []}
+        "equal": {} if amx else {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2}, "mismatches": []}
     checkpoint = tiny_checkpoint(tmp_path / "moe-w4a8", "moe-w4a8")
     assert served_layers(checkpoint, tmp_path, "1") == {
         "equal": {"W8A8CpuW4A8MoE": 2} if amx else {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}, "mismatches": []}

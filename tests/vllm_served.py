@@ -44,13 +44,22 @@ def engine_env(tmp_path: Path, switch: str) -> dict:
                 VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
 
 
-def start_engine(checkpoint):
-    """vLLM's LLM on a checkpoint in this process (no engine subprocess: a load error is raised here, and several
-    engines can be started one after another), eager, no tokenizer."""
+def on_engine(checkpoint, use=lambda llm: None):
+    """use(llm) on vLLM's LLM started on a checkpoint in this process (no engine subprocess: a load error is raised
+    here), eager, no tokenizer; returns what use returns. vLLM's per-process distributed state is torn down after it,
+    also after a failed start, so that the next engine in this process starts as in a fresh one (an MoE model after a
+    dense one needs the expert-parallel group the dense one did not create)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
-    return LLM(model=str(checkpoint), max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
-               max_num_seqs=4)
+    from vllm.distributed import cleanup_dist_env_and_memory
+    llm = None
+    try:
+        llm = LLM(model=str(checkpoint), max_model_len=256, enforce_eager=True, skip_tokenizer_init=True,
+                  max_num_seqs=4)
+        return use(llm)
+    finally:
+        del llm
+        cleanup_dist_env_and_memory()
 
 
 def compare_served_layers(llm, ours: dict) -> dict:

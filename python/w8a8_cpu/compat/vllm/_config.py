@@ -6,18 +6,36 @@ import logging
 
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
-from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsWNA8Int
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (CompressedTensorsW8A8Int8,
+                                                                                CompressedTensorsWNA8Int)
 
-from ._linear import W8A8CpuW4A8, int4_group, leaves_to_vllm_amx
+from ...llm.checkpoint.scheme import _FORMATS, _INT4_FORMAT
+from ._linear import W8A8CpuInt8Scheme, W8A8CpuW4A8, int4_group, leaves_to_vllm_amx
 from ._moe import W8A8CpuMoE, method_for
 
 logger = logging.getLogger("vllm.plugins.w8a8_cpu")
+
+
+def unread(layer_name: str, parts: dict) -> str:
+    """Why load_quantized would refuse a layer's compressed-tensors scheme that vLLM takes for one of ours (a format
+    w8a8_cpu does not read, float weights or activations: vLLM reads int8 tensors there whatever they say), or ""."""
+    if parts.get("format") not in (*_FORMATS, _INT4_FORMAT):
+        return (f"{layer_name}: quantization_config: format {parts.get('format')!r}; w8a8_cpu reads "
+                f"{' / '.join((*_FORMATS, _INT4_FORMAT))} only")
+    for field in ("weights", "input_activations"):
+        args = parts.get(field)
+        if args is not None and args.type != "int":
+            return f"{layer_name}: quantization_config: {field}.type {args.type!r}; w8a8_cpu runs integers only"
+    return ""
 
 
 class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
 
     def get_scheme(self, layer, layer_name=None):
         scheme = super().get_scheme(layer, layer_name)
+        if type(scheme) is CompressedTensorsW8A8Int8:  # the same, its tensors checked where our kernel serves it
+            return W8A8CpuInt8Scheme(scheme.strategy, scheme.is_static_input_scheme, scheme.input_symmetric,
+                                     unread(layer_name, self.get_scheme_dict(layer, layer_name)))
         if isinstance(scheme, CompressedTensorsWNA8Int):
             parts = self.get_scheme_dict(layer, layer_name)
             weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
@@ -25,6 +43,8 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
                 logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
                             "dynamic per-token activations)", layer_name, type(scheme).__name__)
             elif not leaves_to_vllm_amx():
+                if unread(layer_name, parts):
+                    raise ValueError(unread(layer_name, parts))
                 return W8A8CpuW4A8(int4_group(weight_quant))
         return scheme
 
@@ -37,6 +57,8 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
                 if method is W8A8CpuMoE and leaves_to_vllm_amx():  # vLLM's int8 MoE runs on AMX here
                     method, why_not = None, "AMX"
                 if method is not None:
+                    if unread(prefix, parts):
+                        raise ValueError(unread(prefix, parts))
                     return method(weight_quant, input_quant, layer.moe_config)
                 logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)
         return super().get_quant_method(layer, prefix)

@@ -5,14 +5,17 @@ layer's parameters, under vLLM's own names; every call is then w8a8_cpu's op (ex
 same tensors)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import (Int8ScaledMMLinearKernel,
                                                                                 Int8ScaledMMLinearLayerConfig)
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsScheme
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8 import (
+    CompressedTensorsW8A8Int8)
 from vllm.model_executor.parameter import (BasevLLMParameter, ChannelQuantScaleParameter, GroupQuantScaleParameter,
-                                           PackedvLLMParameter)
+                                           PackedvLLMParameter, PerTensorScaleParameter)
 from vllm.model_executor.utils import replace_parameter
 from vllm.platforms import current_platform
 from vllm.platforms.interface import CpuArchEnum
@@ -40,13 +43,63 @@ def int4_group(weight_quant) -> int:
     return (weight_quant.group_size or 0) if weight_quant.strategy == "group" else 0
 
 
-def positive_scales(layer: torch.nn.Module, name: str, scale: torch.Tensor) -> torch.Tensor:
-    """A layer's loaded weight scales in fp32, each finite and > 0 (an untrusted checkpoint's: ValueError naming the
-    layer and the parameter otherwise, before anything is packed)."""
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # a checkpoint's scales (load_quantized's)
+
+
+def layer_name(layer: torch.nn.Module) -> str:
+    """The name vLLM gave a layer (model.layers.1.mlp.down_proj), for errors."""
+    return getattr(layer, "prefix", None) or getattr(layer, "layer_name", None) or type(layer).__name__
+
+
+@contextlib.contextmanager
+def naming_the_layer(layer: torch.nn.Module):
+    """A ValueError raised inside (by a check of the checkpoint's tensors, or by the packer) names the layer."""
+    try:
+        yield
+    except ValueError as e:
+        if str(e).startswith(layer_name(layer)):
+            raise
+        raise ValueError(f"{layer_name(layer)}: {e}") from e
+
+
+def refuse_at_load(layer: torch.nn.Module, checks: dict) -> None:
+    """Wraps the weight loaders of the layer's parameters named in `checks` (name -> check(tensor, *args, **kwargs) of
+    the checkpoint's tensor and the loader's other arguments, returning why it is refused, or None): vLLM's loaders
+    copy a checkpoint tensor into the parameter's dtype, so that an int16 or float "int8" weight or a float zero point
+    would be converted without a word, and a fused layer keeps one value of what each part stores (weight_shape)."""
+    for name, check in checks.items():
+        param = getattr(layer, name, None)
+        if param is None:
+            continue
+
+        def load(param, loaded_weight, *args, _load=param.weight_loader, _name=name, _check=check, **kwargs):
+            why = _check(loaded_weight, *args, **kwargs)
+            if why:
+                raise ValueError(f"{layer_name(layer)}.{_name}: the checkpoint's tensor is {why}")
+            return _load(param, loaded_weight, *args, **kwargs)
+        param.weight_loader = load
+
+
+def of_dtype(*dtypes: torch.dtype):
+    """A refuse_at_load check: the checkpoint's tensor has one of `dtypes`."""
+    def check(tensor: torch.Tensor, *args, **kwargs) -> Optional[str]:
+        if tensor.dtype not in dtypes:
+            return f"{str(tensor.dtype).removeprefix('torch.')}; expected " + \
+                " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return None
+    return check
+
+
+def positive_scales(layer: torch.nn.Module, name: str, scale: torch.Tensor, largest_code: int) -> torch.Tensor:
+    """A layer's loaded weight scales in fp32, each finite and > 0, and the weights they describe (codes up to
+    largest_code in magnitude times the scale) finite in fp32, as load_quantized requires (an untrusted checkpoint's:
+    ValueError naming the layer and the parameter otherwise, before anything is packed)."""
     scale = scale.detach().to(torch.float32)
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
-        where = getattr(layer, "prefix", None) or getattr(layer, "layer_name", None) or type(layer).__name__
-        raise ValueError(f"{where}.{name}: holds a weight scale that is not finite and > 0")
+        raise ValueError(f"{layer_name(layer)}.{name}: holds a weight scale that is not finite and > 0")
+    if not torch.isfinite(scale * largest_code).all():
+        raise ValueError(f"{layer_name(layer)}.{name}: holds a scale whose weights ({largest_code} x the scale) "
+                         f"overflow fp32")
     return scale
 
 
@@ -80,6 +133,12 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
         return True, None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        with naming_the_layer(layer):
+            self._pack(layer)
+        announce("W8A8 int8 linear layers (" + ("dynamic" if not self.config.is_static_input_scheme else "static")
+                 + (" symmetric" if self.config.input_symmetric else " asymmetric") + " activations)")
+
+    def _pack(self, layer: torch.nn.Module) -> None:
         w_name, scale_name, input_scale_name, zero_point_name, w_sum_name = self.layer_param_names
         weight = getattr(layer, w_name).detach()
         n, k = weight.shape
@@ -87,7 +146,7 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
         if not symmetric and k > MAX_K_ZERO_POINT:
             raise ValueError(f"{w_name}: K = {k} exceeds {MAX_K_ZERO_POINT}, beyond which asymmetric activations' "
                              f"int32 accumulators could overflow")
-        scale = positive_scales(layer, scale_name, getattr(layer, scale_name))
+        scale = positive_scales(layer, scale_name, getattr(layer, scale_name), 128)
         if not self.config.is_channelwise:  # one scale per fused part (q, k, v): repeated over its channels
             widths = torch.tensor(layer.logical_widths)
             scale = scale.reshape(-1).repeat_interleave(widths)
@@ -97,18 +156,14 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
         replace_parameter(layer, w_name, pack_weight(weight.contiguous()))
         replace_parameter(layer, scale_name, scale.contiguous())
         if self.config.is_static_input_scheme:
-            input_scale = getattr(layer, input_scale_name).detach().to(torch.float32).reshape(1)
-            zero_point = getattr(layer, zero_point_name, None)
-            zero_point = None if symmetric else zero_point.detach().to(torch.int32).reshape(1)
-            check_static_activation_params(input_scale, zero_point, symmetric)
+            input_scale, zero_point = _one_static_activation(
+                getattr(layer, input_scale_name), None if symmetric else getattr(layer, zero_point_name), symmetric)
             replace_parameter(layer, input_scale_name, input_scale)
             if zero_point is not None:
                 replace_parameter(layer, zero_point_name, zero_point)
         replace_parameter(layer, w_sum_name, None if symmetric else weight.sum(dim=1, dtype=torch.int32))
         _fp32_bias(layer)
         self.dynamic_symmetric = symmetric and not self.config.is_static_input_scheme
-        announce("W8A8 int8 linear layers (" + ("dynamic" if not self.config.is_static_input_scheme else "static")
-                 + (" symmetric" if symmetric else " asymmetric") + " activations)")
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
         w, w_scale, input_scale, zero_point, w_sum = self._get_layer_params(layer)
@@ -116,6 +171,52 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
             return _ops.int8_scaled_mm_with_quant(x, w, w_scale, _call_bias(layer, bias), None)
         return traced_mm_with_activations(x, w, w_scale, _call_bias(layer, bias), input_scale, zero_point,
                                           self.config.input_symmetric, w_sum)
+
+
+def _one_static_activation(input_scale: torch.Tensor, zero_point: Optional[torch.Tensor], symmetric: bool):
+    """A layer's static activation scale [1] fp32 (and zero point [1] int32) from one value per fused part
+    (W8A8CpuInt8Scheme), each checked; the parts' must be equal: the layer's input is quantized once for all of them,
+    and a part quantized with other parameters would be computed with the wrong ones."""
+    scales = input_scale.detach().to(torch.float32).reshape(-1)
+    points = None if zero_point is None else zero_point.detach().to(torch.int32).reshape(-1)
+    for part in range(scales.numel()):
+        check_static_activation_params(scales[part:part + 1], None if points is None else points[part:part + 1],
+                                       symmetric)
+    if not (scales == scales[0]).all() or (points is not None and not (points == points[0]).all()):
+        raise ValueError(f"input_scale / input_zero_point: the fused parts' static activation parameters differ "
+                         f"({scales.tolist()}{'' if points is None else ', ' + str(points.tolist())}): one "
+                         f"quantization of the layer's input cannot serve them")
+    return scales[:1].clone(), None if points is None else points[:1].clone()
+
+
+class W8A8CpuInt8Scheme(CompressedTensorsW8A8Int8):
+    """vLLM's W8A8 int8 scheme (chosen for every W8A8 int8 layer), whose checkpoint tensors are checked at load where
+    w8a8_cpu's kernel serves the layer: dtypes as load_quantized reads them, and static activations loaded one value
+    per fused part (vLLM's scheme keeps one for the fused layer: the last part's, silently wrong for the others when
+    they differ), so that W8A8CpuInt8Kernel can refuse parts that differ; and the layer refused where load_quantized
+    would refuse its scheme (`unread`: why, else "")."""
+
+    def __init__(self, strategy: str, is_static_input_scheme: bool, input_symmetric: bool, unread: str):
+        super().__init__(strategy, is_static_input_scheme, input_symmetric)
+        self.unread = unread
+
+    def create_weights(self, layer: torch.nn.Module, output_partition_sizes, input_size_per_partition: int,
+                       params_dtype: torch.dtype, weight_loader, **kwargs) -> None:
+        super().create_weights(layer, output_partition_sizes, input_size_per_partition, params_dtype, weight_loader,
+                               **kwargs)
+        if not isinstance(self.kernel, W8A8CpuInt8Kernel):
+            return
+        if self.unread:
+            raise ValueError(self.unread)
+        parts = len(output_partition_sizes)
+        if self.is_static_input_scheme:  # unloaded parts stay NaN / out of range: refused
+            layer.register_parameter("input_scale", PerTensorScaleParameter(
+                data=torch.full((parts,), float("nan"), dtype=torch.float32), weight_loader=weight_loader))
+            if not self.input_symmetric:
+                layer.register_parameter("input_zero_point", PerTensorScaleParameter(
+                    data=torch.full((parts,), 1 << 30, dtype=torch.int32), weight_loader=weight_loader))
+        refuse_at_load(layer, {"weight": of_dtype(torch.int8), "weight_scale": of_dtype(*FLOATS),
+                               "input_scale": of_dtype(*FLOATS), "input_zero_point": of_dtype(torch.int8, torch.int32)})
 
 
 class W8A8CpuW4A8(CompressedTensorsScheme):
@@ -143,8 +244,8 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
         n, k = sum(output_partition_sizes), input_size_per_partition
         self.in_features = k
         if self.group_size and k % self.group_size:
-            raise ValueError(f"weight_packed: K = {k} on this rank is not a multiple of the group size "
-                             f"{self.group_size}")
+            raise ValueError(f"{layer_name(layer)}.weight_packed: K = {k} on this rank is not a multiple of the group "
+                             f"size {self.group_size}")
         layer.register_parameter("weight_packed", PackedvLLMParameter(
             data=torch.empty(n, -(-k // 8), dtype=torch.int32), input_dim=1, output_dim=0, packed_dim=1,
             packed_factor=8, weight_loader=weight_loader))
@@ -157,10 +258,23 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
         layer.register_parameter("weight_scale", scale)
         layer.register_parameter("weight_shape", BasevLLMParameter(data=torch.empty(2, dtype=torch.int64),
                                                                     weight_loader=weight_loader))
+        ranks = output_size // n  # a column-parallel layer's parts are split over the ranks, their weight_shape not
+        parts = {None: output_size, **{i: ranks * w for i, w in enumerate(output_partition_sizes)},
+                 **{c: ranks * w for c, w in zip("qkv", output_partition_sizes)}}
+
+        def weight_shape(tensor: torch.Tensor, shard=None, *args, **kwargs) -> Optional[str]:  # each part's [N, K]
+            want = [parts.get(shard, -1), input_size]
+            if tensor.dtype not in (torch.int32, torch.int64) or tensor.tolist() != want:
+                return f"{str(tensor.dtype).removeprefix('torch.')} {tensor.tolist()}; expected int64 or int32 {want}"
+            return None
+        refuse_at_load(layer, {"weight_packed": of_dtype(torch.int32), "weight_scale": of_dtype(*FLOATS),
+                               "weight_shape": weight_shape})
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
-        blob = pack_weight_int4(q, positive_scales(layer, "weight_scale", layer.weight_scale), None, self.group_size)
+        with naming_the_layer(layer):
+            q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
+            blob = pack_weight_int4(q, positive_scales(layer, "weight_scale", layer.weight_scale, 15), None,
+                                    self.group_size)
         replace_parameter(layer, "weight_packed", blob)
         # the op's per-channel factor on top of the blob's group scales
         replace_parameter(layer, "weight_scale", torch.ones(q.shape[0], dtype=torch.float32))

@@ -5,6 +5,8 @@ w8a8_cpu.fused_experts on experts packed once at load:
   to a KleidiAI (Arm-only) method expecting int4 values stored one per int8, so it cannot load them on x86."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe import (
@@ -17,7 +19,7 @@ from ..._functions import pack_experts_int4, pack_moe_weights
 from ...llm.pack_quantized import unpack_int4_rows
 from ...scheme import is_int4_group
 from ._hooks import announce
-from ._linear import int4_group, positive_scales
+from ._linear import FLOATS, int4_group, naming_the_layer, of_dtype, positive_scales, refuse_at_load
 
 _ops = torch.ops.w8a8_cpu
 
@@ -52,12 +54,20 @@ class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
         self.weight_quant, self.input_quant = weight_quant, input_quant
         self.static_input_scales = False
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        refuse_at_load(layer, {"w13_weight": of_dtype(torch.int8), "w2_weight": of_dtype(torch.int8),
+                               "w13_weight_scale": of_dtype(*FLOATS), "w2_weight_scale": of_dtype(*FLOATS)})
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        w13, w2 = pack_moe_weights(layer.w13_weight.detach(), layer.w2_weight.detach())
+        with naming_the_layer(layer):
+            w13, w2 = pack_moe_weights(layer.w13_weight.detach(), layer.w2_weight.detach())
+            scales = {name: positive_scales(layer, name, getattr(layer, name), 128).flatten(1).contiguous()
+                      for name in ("w13_weight_scale", "w2_weight_scale")}
         replace_parameter(layer, "w13_weight", w13)
         replace_parameter(layer, "w2_weight", w2)
-        for name in ("w13_weight_scale", "w2_weight_scale"):
-            replace_parameter(layer, name, positive_scales(layer, name, getattr(layer, name)).flatten(1).contiguous())
+        for name, scale in scales.items():
+            replace_parameter(layer, name, scale)
         announce("int8 fused MoE experts")
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
@@ -83,8 +93,8 @@ class W8A8CpuW4A8MoE(W8A8CpuMoE):
         inter = intermediate_size_per_partition
         for k in (hidden_size, inter):
             if self.group_size and k % self.group_size:
-                raise ValueError(f"w13/w2_weight_packed: K = {k} is not a multiple of the group size "
-                                 f"{self.group_size}")
+                raise ValueError(f"{layer.layer_name}.w13/w2_weight_packed: K = {k} is not a multiple of the group "
+                                 f"size {self.group_size}")
         extra_weight_attrs.update({"is_transposed": False, "quant_method": "group" if self.group_size else "channel"})
         shapes = {"w13": (num_experts, 2 * inter, hidden_size), "w2": (num_experts, hidden_size, inter)}
         for name, (e, n, k) in shapes.items():
@@ -96,13 +106,25 @@ class W8A8CpuW4A8MoE(W8A8CpuMoE):
                 layer.register_parameter(f"{name}_{suffix}", parameter)
                 set_weight_attrs(parameter, extra_weight_attrs)
         layer.w8a8_cpu_shapes = shapes
+        inter_all = inter * getattr(self.moe, "tp_size", 1)  # each expert's weight_shape: the whole [N, K]
+        parts = {"w1": [inter_all, hidden_size], "w3": [inter_all, hidden_size], "w2": [hidden_size, inter_all]}
+
+        def weight_shape(tensor: torch.Tensor, weight_name=None, shard_id=None, *args, **kwargs) -> Optional[str]:
+            want = parts.get(shard_id)
+            if tensor.dtype not in (torch.int32, torch.int64) or tensor.tolist() != want:
+                return f"{str(tensor.dtype).removeprefix('torch.')} {tensor.tolist()}; expected int64 or int32 {want}"
+            return None
+        refuse_at_load(layer, {f"{name}_{suffix}": check for name in shapes for suffix, check in (
+            ("weight_packed", of_dtype(torch.int32)), ("weight_scale", of_dtype(*FLOATS)),
+            ("weight_shape", weight_shape))})
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         for name, (e, n, k) in layer.w8a8_cpu_shapes.items():
-            packed = getattr(layer, f"{name}_weight_packed").detach()
-            q = unpack_int4_rows(packed.reshape(e * n, -1), k).reshape(e, n, k)
-            scale = positive_scales(layer, f"{name}_weight_scale", getattr(layer, f"{name}_weight_scale"))
-            blob = pack_experts_int4(q, scale, None, self.group_size)
+            with naming_the_layer(layer):
+                packed = getattr(layer, f"{name}_weight_packed").detach()
+                q = unpack_int4_rows(packed.reshape(e * n, -1), k).reshape(e, n, k)
+                scale = positive_scales(layer, f"{name}_weight_scale", getattr(layer, f"{name}_weight_scale"), 15)
+                blob = pack_experts_int4(q, scale, None, self.group_size)
             replace_parameter(layer, f"{name}_weight_packed", blob)
             replace_parameter(layer, f"{name}_weight_scale", torch.ones(e, n, dtype=torch.float32))
             setattr(layer, f"{name}_weight_shape", None)  # each blob's header holds its shape

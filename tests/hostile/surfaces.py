@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -273,3 +275,208 @@ def layer_op_case(seed: int):
     position = rng.choice([0, length - 1, length // 2] * 3 + [length, -1, 1 << 40])
     return LAYER_OP_ARGUMENTS, (lambda: ops.decode_attention_(qkv, k_cache, v_cache, position, heads, scale)), \
         lambda: None
+
+
+HOSTILE_SCALES = [0.0, -0.0, -1.0, float("nan"), float("inf"), -float("inf"), 1e30, 3e38, 1e20, 1e-30, 1e-40, 1e-45]
+HOSTILE_DTYPES = [torch.float16, torch.bfloat16, torch.float64, torch.float32, torch.int8, torch.uint8, torch.int16,
+                  torch.int32, torch.int64, torch.bool]
+QUANTIZED = ("weight", "weight_scale", "input_scale", "input_zero_point", "weight_packed", "weight_shape")
+
+
+def vllm_case(seed: int, built: dict):
+    """vLLM with the plugin (W8A8_CPU_VLLM=all) loading a tiny checkpoint (tests/vllm_served.py's kinds) after one or
+    two hostile edits: a quantized tensor's values (weight scales 0, negative, NaN, Inf, huge, denormal; input scales
+    and zero points out of range; int4 words of garbage; int8 -128), its dtype or shape (truncated, transposed,
+    flattened), a tensor missing or one extra, or a quantization_config value (num_bits, group_size, strategy,
+    symmetric, dynamic, type, format, targets, ignore). The oracle is load_quantized on the same folder: where it
+    refuses, vLLM must refuse too (an exception; the plugin's own a ValueError naming the layer); where it loads,
+    vLLM refuses or every layer the plugin serves equals ours bit for bit and is finite. Verdicts "refused" (both),
+    "vllm_stricter" (ours loads, vLLM refuses) and "exact", with who refused ("by") and the case ("about")."""
+    sys.path.insert(0, str(HERE.parent))
+    from test_checkpoint import edit_tensors
+
+    rng = random.Random(seed)
+    kind = rng.choice(sorted(built))
+    folder = Path(tempfile.mkdtemp(prefix="hostile-vllm-"))
+    shutil.copytree(built[kind], folder, dirs_exist_ok=True)
+    edits = []
+    for _ in range(rng.choice([1, 1, 1, 2])):
+        if rng.random() < 0.35:
+            config_path = folder / "config.json"
+            config = json.loads(config_path.read_text())
+            edits.append(_edit_quantization_config(rng, config["quantization_config"]))
+            config_path.write_text(json.dumps(config))
+        else:
+            edit_tensors(folder, lambda tensors: edits.append(_edit_quantized_tensor(rng, tensors)))
+    about = f"{kind} {' + '.join(edits)}"
+
+    def call():
+        try:
+            return {**_served_or_refused(folder), "kind": kind, "edits": edits}
+        except AssertionError as e:
+            raise AssertionError(f"{about}: {e}") from e
+        finally:
+            shutil.rmtree(folder)
+    return (), call, lambda: None
+
+
+def _edit_quantized_tensor(rng: random.Random, tensors: dict) -> str:
+    """One hostile edit of a checkpoint's quantized tensors (in place); returns what it did."""
+    names = sorted(n for n, t in tensors.items()
+                   if n.rsplit(".", 1)[-1] in QUANTIZED and (not n.endswith(".weight") or t.dtype == torch.int8))
+    name = rng.choice(names)
+    layer, _, leaf = name.rpartition(".")
+    t = tensors[name]
+    family = rng.choice(["value", "value", "dtype/shape", "missing/extra"])
+    if family == "value":
+        t = t.clone()
+        flat = t.view(-1)
+        where = slice(None) if rng.random() < 0.3 else rng.randrange(flat.numel())
+        if leaf in ("weight_scale", "input_scale"):
+            value = rng.choice(HOSTILE_SCALES + [1e-10, 1e10])
+            flat[where] = value
+        elif leaf == "input_zero_point":
+            value = rng.choice([-129, 128, 300, -(1 << 31), (1 << 31) - 1, 0.5, float("nan")])
+            t = torch.tensor([value], dtype=torch.float32 if isinstance(value, float) else torch.int64)
+        elif leaf == "weight_packed":
+            value = rng.choice(["random", -1, 0, -(1 << 31), -2004318072])  # -2004318072: 0x88888888, every nibble 8
+            if value == "random":
+                flat[where] = torch.randint(-(1 << 31), 1 << 31, flat[where].shape, dtype=torch.int64,
+                                            generator=torch.Generator().manual_seed(rng.randrange(1 << 30))).int()
+            else:
+                flat[where] = value
+        elif leaf == "weight_shape":
+            value = rng.choice([[0, 0], [t[1].item(), t[0].item()], [t[0].item(), t[1].item() + 8], [1 << 40, 2],
+                                [-1, -1], [t[0].item() * 2, t[1].item() // 2]])
+            t = torch.tensor(value, dtype=torch.int64)
+        else:  # an int8 weight: -128 (outside the symmetric grid) or the extremes
+            value = rng.choice([-128, 127, 0])
+            flat[where] = value
+        tensors[name] = t
+        return f"value:{leaf}({value}{'' if isinstance(where, int) else ', all'})"
+    if family == "dtype/shape":
+        change = rng.choice(["dtype", "truncate rows", "truncate columns", "transpose", "flatten", "scalar"])
+        if change == "dtype":
+            dtype = rng.choice([d for d in HOSTILE_DTYPES if d != t.dtype])
+            tensors[name] = t.to(dtype)
+            return f"dtype:{leaf}({str(dtype).replace('torch.', '')})"
+        if change == "truncate rows" and t.shape[0] > 1:
+            tensors[name] = t[:-1].clone()
+        elif change == "truncate columns" and t.dim() == 2 and t.shape[1] > 1:
+            tensors[name] = t[:, :-1].clone()
+        elif change == "transpose" and t.dim() == 2:
+            tensors[name] = t.t().contiguous()
+        elif change == "scalar":
+            tensors[name] = t.reshape(-1)[:1].reshape(()).clone()
+        else:
+            tensors[name] = t.reshape(-1).clone()
+            change = "flatten"
+        return f"shape:{leaf}({change})"
+    if rng.random() < 0.5:
+        del tensors[name]
+        return f"missing:{leaf}"
+    n = t.shape[0] if t.dim() else 1
+    extra, value = rng.choice([("input_scale", torch.tensor([0.02])),
+                               ("input_zero_point", torch.tensor([3], dtype=torch.int8)),
+                               ("weight_zero_point", torch.zeros(n, 1, dtype=torch.int8)), ("bias", torch.ones(n)),
+                               ("weight_g_idx", torch.arange(n, dtype=torch.int32)),
+                               ("weight", torch.ones(n, 256, dtype=torch.int8)),
+                               ("weight_packed", torch.zeros(n, 32, dtype=torch.int32))])
+    if rng.random() < 0.2:
+        layer = "model.layers.7.mlp.down_proj"  # a layer the model does not have
+    tensors[f"{layer}.{extra}"] = value
+    return f"extra:{extra}"
+
+
+CONFIG_VALUES = {
+    "num_bits": [2, 3, 4, 8, 16, 0, -1, None, "8"],
+    "group_size": [None, 1, 16, 24, 32, 48, 64, 96, 100, 128, 256, 512, 0, -32, 1 << 20, 1 << 40, "32"],
+    "strategy": ["channel", "group", "tensor", "token", "block", "tensor_group", "x", None],
+    "symmetric": [True, False, None, "yes"],
+    "dynamic": [True, False, None, "local"],
+    "type": ["int", "float", None],
+}
+FORMATS = ["int-quantized", "pack-quantized", "float-quantized", "naive-quantized", "marlin-24", "dense", None, 5]
+
+
+def _edit_quantization_config(rng: random.Random, qc: dict) -> str:
+    """One hostile value in a compressed-tensors quantization_config (in place); returns what it did."""
+    group = qc["config_groups"][rng.choice(sorted(qc["config_groups"]))]
+    where = rng.choice(["weights", "weights", "input_activations", "format", "targets", "ignore", "top format"])
+    if where in ("weights", "input_activations"):
+        if group.get(where) is None or rng.random() < 0.1:
+            group[where] = None
+            return f"config:{where}(None)"
+        field = rng.choice(sorted(CONFIG_VALUES))
+        value = rng.choice(CONFIG_VALUES[field])
+        group[where][field] = value
+        return f"config:{where}.{field}({value})"
+    if where in ("format", "top format"):
+        value = rng.choice(FORMATS)
+        (group if where == "format" else qc)["format"] = value
+        return f"config:{where}({value})"
+    layer_names = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head", "re:.*", "re:.*proj",
+                   "Linear", "model.layers.0.block_sparse_moe.experts.1.w2", "", "x" * 300]
+    if where == "targets":
+        targets = group.get("targets") if isinstance(group.get("targets"), list) else []
+        value = rng.choice([[rng.choice(layer_names)], targets[1:], targets + ["Embedding"], None])
+        group["targets"] = value
+    else:
+        ignore = qc.get("ignore") if isinstance(qc.get("ignore"), list) else []
+        value = rng.choice([ignore + [rng.choice(layer_names)], [], None, "lm_head"])
+        qc["ignore"] = value
+    return f"config:{where}({str(value)[:60]})"
+
+
+def _served_or_refused(folder: Path) -> dict:
+    """load_quantized and vLLM with the plugin on one folder; the verdict (AssertionError for a finding)."""
+    from vllm_served import compare_served_layers, on_engine
+    from w8a8_cpu.llm import load_quantized
+
+    try:
+        ours, refusal = dict(load_quantized(folder).named_modules()), None
+    except ValueError as e:
+        ours, refusal = None, str(e)
+    except Exception as e:  # noqa: BLE001 - ours must refuse with a ValueError
+        raise AssertionError(f"load_quantized raised {type(e).__name__}: {e}") from e
+
+    def compare(llm):  # what it raises would read as a refused start: returned instead
+        if ours is None:
+            return f"load_quantized refuses ({refusal[:300]}) but vLLM with the plugin serves it"
+        try:
+            return compare_served_layers(llm, ours)
+        except Exception as e:  # noqa: BLE001 - a served layer must run
+            return f"a served layer fails: {type(e).__name__}: {e}"
+    try:
+        served = on_engine(folder, compare)
+    except Exception as e:  # noqa: BLE001 - vLLM refuses: whose refusal it is
+        return {"verdict": "refused" if ours is None else "vllm_stricter", "by": _refuser(e)}
+    if isinstance(served, str) or served["mismatches"]:
+        raise AssertionError(served if isinstance(served, str) else f"served layers differ: {served['mismatches']}")
+    return {"verdict": "exact", "by": "", "layers": sum(served["equal"].values())}
+
+
+def _refuser(error: BaseException) -> str:
+    """Who refused a load: "plugin" (the plugin's ValueError naming a layer), or "vllm:<exception>" when vLLM's own
+    code raised (also where the plugin called it); AssertionError for anything else raised in the plugin's code."""
+    import traceback
+
+    import vllm
+    plugin = str(Path(w8a8_cpu.__file__).parent / "compat" / "vllm")
+    vllm_code = str(Path(vllm.__file__).parent)
+    chain = [error]
+    while chain[-1].__cause__ or chain[-1].__context__:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for e in chain:
+        frames = traceback.extract_tb(e.__traceback__)
+        inside = [i for i, f in enumerate(frames) if f.filename.startswith(plugin)]
+        if not inside:
+            continue
+        after = frames[inside[-1] + 1:]
+        if after and after[0].filename.startswith(vllm_code):
+            return f"vllm:{type(e).__name__}"
+        if isinstance(e, ValueError) and re.search(r"model\.layers\.\d+\.\w+", str(e)):
+            return "plugin"
+        raise AssertionError(f"the plugin raised {type(e).__name__} at {frames[-1].filename}:{frames[-1].lineno}, not "
+                             f"a ValueError naming the layer: {e}") from e
+    return f"vllm:{type(error).__name__}"

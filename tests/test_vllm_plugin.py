@@ -195,11 +195,11 @@ def tensor_edit(key: str, value=None, dtype=None):
     return edit
 
 
-def scaled_input(key: str, factor: float):
-    """An edit: static activation scale `key` times factor."""
+def tensors_edit(change):
+    """An edit: change(tensors) on the checkpoint's tensors (a dict, in place)."""
     def edit(directory):
         from test_checkpoint import edit_tensors
-        edit_tensors(directory, lambda tensors: tensors.update({key: tensors[key] * factor}))
+        edit_tensors(directory, change)
     return edit
 
 
@@ -214,6 +214,7 @@ def config_edit(field: str, value):
 
 
 DOWN, EXPERT_W2 = "model.layers.1.mlp.down_proj", "model.layers.1.block_sparse_moe.experts.2.w2"
+PACKED_W2 = f"{EXPERT_W2}.weight_packed"
 
 
 @pytest.mark.parametrize("kind, edit, error", [
@@ -227,7 +228,8 @@ DOWN, EXPERT_W2 = "model.layers.1.mlp.down_proj", "model.layers.1.block_sparse_m
      f"{DOWN}.weight_scale: holds a scale whose weights (128 x the scale) overflow fp32"),
     ("static", tensor_edit(f"{DOWN}.input_scale", float("inf")),
      f"{DOWN}: input_scale: expected one finite float > 0, got inf"),
-    ("static", scaled_input("model.layers.1.mlp.gate_proj.input_scale", 2.0),
+    ("static", tensors_edit(lambda t: t.update({"model.layers.1.mlp.gate_proj.input_scale":
+                                                t["model.layers.1.mlp.gate_proj.input_scale"] * 2})),
      "model.layers.1.mlp.gate_up_proj: input_scale / input_zero_point: the fused parts' static activation parameters "
      "differ"),
     ("static-asymmetric", tensor_edit("model.layers.1.self_attn.o_proj.input_zero_point", [300], torch.int32),
@@ -241,17 +243,24 @@ DOWN, EXPERT_W2 = "model.layers.1.mlp.down_proj", "model.layers.1.block_sparse_m
      "model.layers.1.block_sparse_moe.experts.w2_weight_shape: the checkpoint's tensor is int64 [512, 256]; expected "
      "int64 or int32 [256, 512]"),
     ("dynamic", config_edit("input_activations.type", "float"),
-     "model.layers.0.self_attn.qkv_proj: quantization_config: input_activations.type 'float'; w8a8_cpu runs integers "
-     "only"),
+     "model.layers.0.self_attn.qkv_proj: load_quantized refuses this checkpoint: config.json quantization_config: "
+     "config_groups['group_0'].input_activations.type is 'float'"),
+    ("dynamic", tensors_edit(lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")),
+     "model.layers.1.self_attn.qkv_proj: weight: the checkpoint holds 2 of its 3 parts (['q', 'v']); a tensor is "
+     "missing"),
+    ("moe-w4a8", tensors_edit(lambda t: t.update({PACKED_W2: t[PACKED_W2][:, 1:].contiguous()})),
+     "model.layers.1.block_sparse_moe.experts.w2_weight_packed: the checkpoint's tensor is int32 [256, 63]; expected "
+     "int32 [256, 64]"),
 ], ids=["scale-0", "int4-scale-negative", "moe-scale-0", "scale-overflows", "input-scale-inf",
         "fused-input-scales-differ", "zero-point-300", "int16-weight", "int4-weight-shape", "moe-int4-weight-shape",
-        "float-activations"])
+        "float-activations", "missing-part", "moe-narrower-tensor"])
 def test_a_checkpoint_load_quantized_refuses_stops_the_load_naming_the_layer(tmp_path, kind, edit, error):
     """An untrusted checkpoint through vLLM, edited where load_quantized refuses it (found by tests/hostile's vllm
     surface): the plugin refuses it at load with a ValueError naming the layer and the parameter, before anything is
     served. vLLM alone takes each of them: its loaders convert a tensor to the parameter's dtype (an int32 zero point
-    300 became int8 44), keep one of the fused parts' activation scales and weight shapes, and read int8 tensors
-    whatever the config's type says."""
+    300 became int8 44), keep one of the fused parts' activation scales and weight shapes, count a fused parameter
+    loaded when one part is (the others left as allocated), copy what fits of an expert's narrower tensor, and read
+    int8 tensors whatever the config's type says."""
     require_vllm()
     checkpoint = tiny_checkpoint(tmp_path / kind, kind)
     edit(checkpoint)

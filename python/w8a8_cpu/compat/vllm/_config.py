@@ -9,33 +9,41 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (CompressedTensorsW8A8Int8,
                                                                                 CompressedTensorsWNA8Int)
 
-from ...llm.checkpoint.scheme import _FORMATS, _INT4_FORMAT
+from ...llm.checkpoint.scheme import read_scheme
 from ._linear import W8A8CpuInt8Scheme, W8A8CpuW4A8, int4_group, leaves_to_vllm_amx
 from ._moe import W8A8CpuMoE, method_for
 
 logger = logging.getLogger("vllm.plugins.w8a8_cpu")
-
-
-def unread(layer_name: str, parts: dict) -> str:
-    """Why load_quantized would refuse a layer's compressed-tensors scheme that vLLM takes for one of ours (a format
-    w8a8_cpu does not read, float weights or activations: vLLM reads int8 tensors there whatever they say), or ""."""
-    if parts.get("format") not in (*_FORMATS, _INT4_FORMAT):
-        return (f"{layer_name}: quantization_config: format {parts.get('format')!r}; w8a8_cpu reads "
-                f"{' / '.join((*_FORMATS, _INT4_FORMAT))} only")
-    for field in ("weights", "input_activations"):
-        args = parts.get(field)
-        if args is not None and args.type != "int":
-            return f"{layer_name}: quantization_config: {field}.type {args.type!r}; w8a8_cpu runs integers only"
-    return ""
+VLLM_ADDED = ("total_num_heads", "total_num_kv_heads")  # what vLLM's get_quant_config adds to a checkpoint's dict
 
 
 class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
+    """A checkpoint whose quantization_config load_quantized refuses (a format or type w8a8_cpu does not read, a
+    group's field out of its range, even in a group vLLM never applies) has no layer served by the plugin: each one it
+    would serve raises that refusal, naming the layer (`unread`); vLLM's own layers are left as they are."""
+
+    @classmethod
+    def from_config(cls, config: dict):
+        try:  # before vLLM's from_config, which drops some groups from the dict
+            read_scheme({"quantization_config": {k: v for k, v in config.items() if k not in VLLM_ADDED}},
+                        "config.json")
+            refusal = ""
+        except ValueError as e:
+            refusal = str(e)
+        made = super().from_config(config)
+        made.w8a8_cpu_refusal = refusal
+        return made
+
+    def unread(self, layer_name: str) -> str:
+        """Why a layer the plugin would serve is refused (load_quantized's reason), or ""."""
+        refusal = getattr(self, "w8a8_cpu_refusal", "")
+        return f"{layer_name}: load_quantized refuses this checkpoint: {refusal}" if refusal else ""
 
     def get_scheme(self, layer, layer_name=None):
         scheme = super().get_scheme(layer, layer_name)
         if type(scheme) is CompressedTensorsW8A8Int8:  # the same, its tensors checked where our kernel serves it
             return W8A8CpuInt8Scheme(scheme.strategy, scheme.is_static_input_scheme, scheme.input_symmetric,
-                                     unread(layer_name, self.get_scheme_dict(layer, layer_name)))
+                                     self.unread(layer_name))
         if isinstance(scheme, CompressedTensorsWNA8Int):
             parts = self.get_scheme_dict(layer, layer_name)
             weight_quant, input_quant = parts.get("weights"), parts.get("input_activations")
@@ -43,8 +51,8 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
                 logger.info("w8a8_cpu: %s stays with vLLM's %s (not symmetric int4 per group or channel with int8 "
                             "dynamic per-token activations)", layer_name, type(scheme).__name__)
             elif not leaves_to_vllm_amx():
-                if unread(layer_name, parts):
-                    raise ValueError(unread(layer_name, parts))
+                if self.unread(layer_name):
+                    raise ValueError(self.unread(layer_name))
                 return W8A8CpuW4A8(int4_group(weight_quant))
         return scheme
 
@@ -57,8 +65,8 @@ class W8A8CpuCompressedTensorsConfig(CompressedTensorsConfig):
                 if method is W8A8CpuMoE and leaves_to_vllm_amx():  # vLLM's int8 MoE runs on AMX here
                     method, why_not = None, "AMX"
                 if method is not None:
-                    if unread(prefix, parts):
-                        raise ValueError(unread(prefix, parts))
+                    if self.unread(prefix):
+                        raise ValueError(self.unread(prefix))
                     return method(weight_quant, input_quant, layer.moe_config)
                 logger.info("w8a8_cpu: MoE %s stays with vLLM's method (%s)", prefix, why_not)
         return super().get_quant_method(layer, prefix)

@@ -62,22 +62,42 @@ def naming_the_layer(layer: torch.nn.Module):
         raise ValueError(f"{layer_name(layer)}: {e}") from e
 
 
-def refuse_at_load(layer: torch.nn.Module, checks: dict) -> None:
+def linear_part(*args, **kwargs):
+    """Which part of a linear layer a vLLM weight loader call loads (its shard id: "q" / "k" / "v", 0 / 1, or None)."""
+    return args[0] if args else kwargs.get("loaded_shard_id")
+
+
+def refuse_at_load(layer: torch.nn.Module, checks: dict, parts: dict, part_of=linear_part) -> None:
     """Wraps the weight loaders of the layer's parameters named in `checks` (name -> check(tensor, *args, **kwargs) of
-    the checkpoint's tensor and the loader's other arguments, returning why it is refused, or None): vLLM's loaders
-    copy a checkpoint tensor into the parameter's dtype, so that an int16 or float "int8" weight or a float zero point
-    would be converted without a word, and a fused layer keeps one value of what each part stores (weight_shape)."""
+    the checkpoint's tensor and the loader's other arguments, returning why it is refused, or None), and records which
+    of each one's `parts[name]` parts (part_of(*args, **kwargs): a shard id, an expert's) came from the checkpoint
+    (all_loaded checks them). vLLM's loaders copy a checkpoint tensor into the parameter's dtype, so that an int16 or
+    float "int8" weight or a float zero point would be converted without a word; a fused layer keeps one value of what
+    each part stores (weight_shape); and vLLM counts a fused parameter loaded when one of its parts is, leaving the
+    others as allocated (whatever the memory held)."""
+    layer.w8a8_cpu_loaded = {}
     for name, check in checks.items():
         param = getattr(layer, name, None)
         if param is None:
             continue
+        loaded = layer.w8a8_cpu_loaded[name] = (set(), parts[name])
 
-        def load(param, loaded_weight, *args, _load=param.weight_loader, _name=name, _check=check, **kwargs):
+        def load(param, loaded_weight, *args, _load=param.weight_loader, _name=name, _check=check, _loaded=loaded[0],
+                 **kwargs):
             why = _check(loaded_weight, *args, **kwargs)
             if why:
                 raise ValueError(f"{layer_name(layer)}.{_name}: the checkpoint's tensor is {why}")
+            _loaded.add(part_of(*args, **kwargs))
             return _load(param, loaded_weight, *args, **kwargs)
         param.weight_loader = load
+
+
+def all_loaded(layer: torch.nn.Module) -> None:
+    """Every part of each parameter refuse_at_load watches came from the checkpoint (ValueError naming it else)."""
+    for name, (loaded, parts) in layer.w8a8_cpu_loaded.items():
+        if len(loaded) != parts:
+            raise ValueError(f"{name}: the checkpoint holds {len(loaded)} of its {parts} parts "
+                             f"({sorted(map(str, loaded))}); a tensor is missing")
 
 
 def of_dtype(*dtypes: torch.dtype):
@@ -134,6 +154,7 @@ class W8A8CpuInt8Kernel(Int8ScaledMMLinearKernel):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         with naming_the_layer(layer):
+            all_loaded(layer)
             self._pack(layer)
         announce("W8A8 int8 linear layers (" + ("dynamic" if not self.config.is_static_input_scheme else "static")
                  + (" symmetric" if self.config.input_symmetric else " asymmetric") + " activations)")
@@ -215,8 +236,9 @@ class W8A8CpuInt8Scheme(CompressedTensorsW8A8Int8):
             if not self.input_symmetric:
                 layer.register_parameter("input_zero_point", PerTensorScaleParameter(
                     data=torch.full((parts,), 1 << 30, dtype=torch.int32), weight_loader=weight_loader))
-        refuse_at_load(layer, {"weight": of_dtype(torch.int8), "weight_scale": of_dtype(*FLOATS),
-                               "input_scale": of_dtype(*FLOATS), "input_zero_point": of_dtype(torch.int8, torch.int32)})
+        checks = {"weight": of_dtype(torch.int8), "weight_scale": of_dtype(*FLOATS), "input_scale": of_dtype(*FLOATS),
+                  "input_zero_point": of_dtype(torch.int8, torch.int32)}
+        refuse_at_load(layer, checks, dict.fromkeys(checks, parts))
 
 
 class W8A8CpuW4A8(CompressedTensorsScheme):
@@ -267,11 +289,13 @@ class W8A8CpuW4A8(CompressedTensorsScheme):
             if tensor.dtype not in (torch.int32, torch.int64) or tensor.tolist() != want:
                 return f"{str(tensor.dtype).removeprefix('torch.')} {tensor.tolist()}; expected int64 or int32 {want}"
             return None
-        refuse_at_load(layer, {"weight_packed": of_dtype(torch.int32), "weight_scale": of_dtype(*FLOATS),
-                               "weight_shape": weight_shape})
+        checks = {"weight_packed": of_dtype(torch.int32), "weight_scale": of_dtype(*FLOATS),
+                  "weight_shape": weight_shape}
+        refuse_at_load(layer, checks, dict.fromkeys(checks, len(output_partition_sizes)))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         with naming_the_layer(layer):
+            all_loaded(layer)
             q = unpack_int4_rows(layer.weight_packed.detach(), self.in_features)
             blob = pack_weight_int4(q, positive_scales(layer, "weight_scale", layer.weight_scale, 15), None,
                                     self.group_size)

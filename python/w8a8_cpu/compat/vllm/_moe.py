@@ -19,7 +19,7 @@ from ..._functions import pack_experts_int4, pack_moe_weights
 from ...llm.pack_quantized import unpack_int4_rows
 from ...scheme import is_int4_group
 from ._hooks import announce
-from ._linear import FLOATS, int4_group, naming_the_layer, of_dtype, positive_scales, refuse_at_load
+from ._linear import FLOATS, all_loaded, int4_group, naming_the_layer, positive_scales, refuse_at_load
 
 _ops = torch.ops.w8a8_cpu
 
@@ -46,6 +46,33 @@ def method_for(moe_config, weight_quant, input_quant, checkpoint_format):
     return method, ""
 
 
+def expert_part(weight_name=None, shard_id=None, expert_id=None, *args, **kwargs):
+    """Which part of an MoE layer's parameter a vLLM weight loader call loads: (expert, "w1" / "w2" / "w3")."""
+    return expert_id, shard_id
+
+
+def of_part_shape(dtypes, shapes: dict):
+    """A refuse_at_load check of an expert's tensor: one of `dtypes`, and one of shapes[its shard id ("w1", "w2",
+    "w3")] (vLLM's MoE loaders copy what fits of another shape: a narrower tensor left the rest unloaded)."""
+    def check(tensor: torch.Tensor, weight_name=None, shard_id=None, *args, **kwargs) -> Optional[str]:
+        want = shapes.get(shard_id, [])
+        if tensor.dtype not in dtypes or list(tensor.shape) not in want:
+            return (f"{str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}; expected "
+                    f"{' or '.join(str(d).removeprefix('torch.') for d in dtypes)} {' or '.join(map(str, want))}")
+        return None
+    return check
+
+
+def expert_shapes(inter: int, hidden: int, columns) -> dict:
+    """Each projection's shape [N, columns(K)] in a checkpoint, by shard id (inter: all ranks' intermediate size)."""
+    return {"w1": [inter, columns(hidden)], "w3": [inter, columns(hidden)], "w2": [hidden, columns(inter)]}
+
+
+def expert_parts(experts: int, names) -> dict:
+    """How many parts each of an MoE layer's parameters `names` loads: w13 two an expert (w1, w3), w2 one."""
+    return {name: experts * (2 if name.startswith("w13") else 1) for name in names}
+
+
 class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
     """vLLM's int8 MoE method's weights (create_weights, its parameter names and loaders), w8a8_cpu's experts."""
 
@@ -54,13 +81,19 @@ class W8A8CpuMoE(CompressedTensorsW8A8Int8MoEMethod):
         self.weight_quant, self.input_quant = weight_quant, input_quant
         self.static_input_scales = False
 
-    def create_weights(self, layer, *args, **kwargs):
-        super().create_weights(layer, *args, **kwargs)
-        refuse_at_load(layer, {"w13_weight": of_dtype(torch.int8), "w2_weight": of_dtype(torch.int8),
-                               "w13_weight_scale": of_dtype(*FLOATS), "w2_weight_scale": of_dtype(*FLOATS)})
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, *args, **kwargs):
+        super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, *args, **kwargs)
+        weights = expert_shapes(intermediate_size_per_partition * self.moe.tp_size, hidden_size, lambda k: k)
+        checks = {f"{name}_weight": of_part_shape((torch.int8,), {s: [weights[s]] for s in shards})
+                  for name, shards in (("w13", ("w1", "w3")), ("w2", ("w2",)))}
+        checks.update({f"{name}_weight_scale": of_part_shape(FLOATS, {s: [[weights[s][0], 1], [weights[s][0]]]
+                                                                      for s in shards})
+                       for name, shards in (("w13", ("w1", "w3")), ("w2", ("w2",)))})
+        refuse_at_load(layer, checks, expert_parts(num_experts, checks), expert_part)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         with naming_the_layer(layer):
+            all_loaded(layer)
             w13, w2 = pack_moe_weights(layer.w13_weight.detach(), layer.w2_weight.detach())
             scales = {name: positive_scales(layer, name, getattr(layer, name), 128).flatten(1).contiguous()
                       for name in ("w13_weight_scale", "w2_weight_scale")}
@@ -106,19 +139,26 @@ class W8A8CpuW4A8MoE(W8A8CpuMoE):
                 layer.register_parameter(f"{name}_{suffix}", parameter)
                 set_weight_attrs(parameter, extra_weight_attrs)
         layer.w8a8_cpu_shapes = shapes
-        inter_all = inter * getattr(self.moe, "tp_size", 1)  # each expert's weight_shape: the whole [N, K]
-        parts = {"w1": [inter_all, hidden_size], "w3": [inter_all, hidden_size], "w2": [hidden_size, inter_all]}
+        inter_all = inter * self.moe.tp_size  # each expert's tensors in the checkpoint: the whole [N, K]
+        parts = expert_shapes(inter_all, hidden_size, lambda k: k)
 
         def weight_shape(tensor: torch.Tensor, weight_name=None, shard_id=None, *args, **kwargs) -> Optional[str]:
             want = parts.get(shard_id)
             if tensor.dtype not in (torch.int32, torch.int64) or tensor.tolist() != want:
                 return f"{str(tensor.dtype).removeprefix('torch.')} {tensor.tolist()}; expected int64 or int32 {want}"
             return None
-        refuse_at_load(layer, {f"{name}_{suffix}": check for name in shapes for suffix, check in (
-            ("weight_packed", of_dtype(torch.int32)), ("weight_scale", of_dtype(*FLOATS)),
-            ("weight_shape", weight_shape))})
+        packed = expert_shapes(inter_all, hidden_size, lambda k: -(-k // 8))
+        groups = expert_shapes(inter_all, hidden_size, lambda k: k // self.group_size if self.group_size else 1)
+        checks = {}
+        for name, shards in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            checks[f"{name}_weight_packed"] = of_part_shape((torch.int32,), {s: [packed[s]] for s in shards})
+            checks[f"{name}_weight_scale"] = of_part_shape(FLOATS, {s: [groups[s]] for s in shards})
+            checks[f"{name}_weight_shape"] = weight_shape
+        refuse_at_load(layer, checks, expert_parts(num_experts, checks), expert_part)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        with naming_the_layer(layer):
+            all_loaded(layer)
         for name, (e, n, k) in layer.w8a8_cpu_shapes.items():
             with naming_the_layer(layer):
                 packed = getattr(layer, f"{name}_weight_packed").detach()

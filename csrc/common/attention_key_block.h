@@ -8,8 +8,8 @@
 // d = 64, 1 thread, Zen3, K / V in cache) ~1.6x the row's speed at 1024 keys, ~1.8x at 2048.
 //
 // Written over `Ops`, an ISA's vector operations (attention_vec4.h's for GCC's generic 4-float vectors, x86_common.h's
-// for AVX2), all static members:
-//   Vec, kWidth (W: 4 or 8, a divisor of 16),
+// for AVX2, avx512_vnni.cpp's for AVX-512), all static members:
+//   Vec, kWidth (W: 4, 8 or 16, a divisor of 16),
 //   zero(), load(const float*) (W floats, any alignment), load_kv<Kind>(row, i) (elements [i, i + W) of a cached row of
 //   `Kind` as fp32, exactly), set1(float), add(a, b), mul(a, b), store(float*, v), transpose(Vec r[W]) (r[i] lane j
 //   <- r[j] lane i).

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 _MAX_ECHO = 96  # characters of an input-supplied name or value quoted back in an error message
 _MAX_LISTED = 5  # names listed when reporting a set of missing / unexpected names
 
@@ -35,3 +37,14 @@ def check_fields(section: dict, known: Sequence[str], where: str, field: str) ->
     if unknown:
         raise ValueError(f"{where}: {field} has a field {echo(unknown[0])} that w8a8_cpu does not know; it refuses "
                          f"rather than guess what it changes (known: {', '.join(known)})")
+
+
+def check_weight_scales(scale: torch.Tensor, largest_code: int, where: str, what: str = "scale") -> None:
+    """Weight scales are finite and > 0 (docs/numerics.md: a zero or negative one is no quantization grid), and the
+    weights they describe (codes up to largest_code in magnitude, times the scale) finite in fp32, as a float
+    checkpoint's weights must be: a scale of 3e38 is finite, its weights are not, and every logit would be Inf.
+    ValueError "where holds ..." otherwise."""
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError(f"{where} holds a {what} that is not finite and > 0")
+    if not torch.isfinite(scale * largest_code).all():
+        raise ValueError(f"{where} holds a scale whose weights ({largest_code} x the scale) overflow fp32")

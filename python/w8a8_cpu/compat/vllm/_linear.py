@@ -22,6 +22,7 @@ from vllm.platforms.interface import CpuArchEnum
 
 from ..._functions import (MAX_K_ZERO_POINT, check_static_activation_params, pack_weight, pack_weight_int4,
                            traced_mm_with_activations)
+from ..._untrusted import check_weight_scales
 from ...llm.pack_quantized import unpack_int4_rows
 from ...scheme import is_int4_group
 from . import mode
@@ -115,11 +116,7 @@ def positive_scales(layer: torch.nn.Module, name: str, scale: torch.Tensor, larg
     largest_code in magnitude times the scale) finite in fp32, as load_quantized requires (an untrusted checkpoint's:
     ValueError naming the layer and the parameter otherwise, before anything is packed)."""
     scale = scale.detach().to(torch.float32)
-    if not (torch.isfinite(scale).all() and (scale > 0).all()):
-        raise ValueError(f"{layer_name(layer)}.{name}: holds a weight scale that is not finite and > 0")
-    if not torch.isfinite(scale * largest_code).all():
-        raise ValueError(f"{layer_name(layer)}.{name}: holds a scale whose weights ({largest_code} x the scale) "
-                         f"overflow fp32")
+    check_weight_scales(scale, largest_code, f"{layer_name(layer)}.{name}:", what="weight scale")
     return scale
 
 

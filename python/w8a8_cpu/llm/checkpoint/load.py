@@ -84,8 +84,7 @@ class _Loader:
             if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
                 raise ValueError(f"{self.tensors._where(f'{layer}.weight')} holds values outside int4's [-8, 7]")
         scale = self.tensors.floating(f"{layer}.weight_scale", [n, groups], torch.float32)
-        self.tensors.check_positive(f"{layer}.weight_scale", scale)
-        self.tensors.check_weight_range(f"{layer}.weight_scale", scale, 15)  # |code - zero point| <= 15
+        self.tensors.check_scales(f"{layer}.weight_scale", scale, 15)  # |code - zero point| <= 15
         minimum = None
         if not args.symmetric:
             key = f"{layer}.weight_zero_point"

@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..._files import read_json_object
-from ..._untrusted import echo, listing
+from ..._untrusted import check_weight_scales, echo, listing
 from .layout import INDEX_FILE, SINGLE_FILE
 
 FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
@@ -131,18 +131,9 @@ class StoredTensors:
             raise ValueError(f"{self._where(key)} holds NaN or Inf values (as {str(dtype).removeprefix('torch.')})")
         return tensor
 
-    def check_positive(self, key: str, scale: torch.Tensor) -> None:
-        """Weight scales are finite and > 0 (docs/numerics.md): a zero or negative one is no quantization grid."""
-        if not (torch.isfinite(scale).all() and (scale > 0).all()):
-            raise ValueError(f"{self._where(key)} holds a scale that is not finite and > 0")
-
-    def check_weight_range(self, key: str, scale: torch.Tensor, largest_code: int) -> None:
-        """The weights a scale describes (codes up to largest_code in magnitude, times the scale) finite in fp32, as
-        a float checkpoint's weights must be: a scale of 3e38 is finite, its weights are not, and every logit would
-        be Inf."""
-        if not torch.isfinite(scale * largest_code).all():
-            raise ValueError(f"{self._where(key)} holds a scale whose weights ({largest_code} x the scale) overflow "
-                             f"fp32")
+    def check_scales(self, key: str, scale: torch.Tensor, largest_code: int) -> None:
+        """_untrusted.check_weight_scales, naming the file and tensor."""
+        check_weight_scales(scale, largest_code, self._where(key))
 
     def scale(self, key: str, channels: int, strategy: str, rows: Optional[slice] = None) -> torch.Tensor:
         """fp32 weight scales of the `channels` output channels, or of their part `rows`, stored [n, 1] or [n]
@@ -152,7 +143,6 @@ class StoredTensors:
         shapes = [[n, 1], [n]] + ([[]] if n == 1 else [])
         index = (rows,) if rows is not None and strategy == "channel" else None
         scale = self._take(key, tuple(FLOAT_DTYPES), shapes, f"{strategy} weight scales", index).to(torch.float32)
-        self.check_positive(key, scale)
-        self.check_weight_range(key, scale, 128)
+        self.check_scales(key, scale, 128)
         kept = channels if rows is None else len(range(channels)[rows])
         return scale.reshape(-1).expand(kept).contiguous()

@@ -115,9 +115,9 @@ void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale
   ref_quantize_row(element_at(x, kind, i), kind, k - i, inv_scale, q + i);
 }
 
-float neon_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                          float* out, float* max) {
-  return attend_key_block_vectors<Vec4Ops>(query, rows, keys, d, scores, out, max);
+void neon_attend_key_block(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                           float* scores, const KeyBlockOutputs& outputs) {
+  attend_key_block_vectors<Vec4Ops>(queries, heads, rows, keys, d, scores, outputs);
 }
 
 extern const MicroKernel kNeonKernel;  // external linkage: the registry refers to it

@@ -12,6 +12,6 @@ constexpr int kAarch64PanelWidth = 16;
 uint32_t neon_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
 void neon_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 // MicroKernel::attend_key_block in NEON (attention_vec4.h's copy of activation.h's rule, compiled for the baseline).
-float neon_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                          float* out, float* max);
+void neon_attend_key_block(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                           float* scores, const KeyBlockOutputs& outputs);
 }  // namespace w8a8_cpu

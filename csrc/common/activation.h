@@ -103,7 +103,7 @@ static float softmax_numerators_row(float* s, int64_t len, int64_t n) {
 // ---- The decode attention's rule (layer_ops.h's decode_attention: the driver; every variant's copy gives these bits)
 //
 // The cache's keys of one KV head are split into blocks of kDecodeKeyBlock positions from position 0 (the last one
-// shorter): a fixed partition, whatever the thread count. A query head's block (attend_key_block_row):
+// shorter): a fixed partition, whatever the thread count. A query head's block (attend_key_block_head):
 //   query = q * scale (the caller's, once a head; fp32 products),
 //   s_j   = lane_dot(query, key_j), times key_j's scale for an int8 cache (the dequantization applied to the dot
 //           product: one fp32 product a key), where a key's stored values are widened to fp32 exactly (int8, fp16),
@@ -147,8 +147,8 @@ static inline float value_weight(float p, const KvRows& rows, int64_t j) {
 
 // One query head's block (the rule above): query d floats (scaled), keys of the block (1 <= keys <= kDecodeKeyBlock,
 // d <= kMaxHeadDim); scores: kDecodeKeyBlock floats of scratch; writes o to out[0, d) and m to *max, returns l.
-static float attend_key_block_row(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                                  float* out, float* max) {
+static float attend_key_block_head(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
+                                   float* out, float* max) {
   float sum = 0.f;
   with_kv_kind(rows.kind, [&](auto kind) {
     constexpr KvKind Kind = decltype(kind)::value;
@@ -164,15 +164,21 @@ static float attend_key_block_row(const float* query, const KvRows& rows, int64_
   return sum;
 }
 
+// MicroKernel::attend_key_block by the rule: query heads [heads][d] (scaled) one after another.
+static void attend_key_block_row(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                                 float* scores, const KeyBlockOutputs& o) {
+  for (int i = 0; i < heads; ++i)
+    o.sum[i * o.stat_stride] =
+        attend_key_block_head(queries + i * d, rows, keys, d, scores, o.out + i * o.out_stride, o.max + i * o.stat_stride);
+}
+
 // A variant's copy of attend_key_block_row: copy(std::integral_constant<KvKind, kind>{}) for head dims that are a
 // multiple of 16 (lane_dot's 16 lanes in whole vectors), the row for others.
 template <typename Copy>
-static float attend_key_block_by_kind(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                                      float* out, float* max, Copy&& copy) {
-  if (d % 16 != 0) return attend_key_block_row(query, rows, keys, d, scores, out, max);
-  float total = 0.f;
-  with_kv_kind(rows.kind, [&](auto kind) { total = copy(kind); });
-  return total;
+static void attend_key_block_by_kind(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                                     float* scores, const KeyBlockOutputs& outputs, Copy&& copy) {
+  if (d % 16 != 0) return attend_key_block_row(queries, heads, rows, keys, d, scores, outputs);
+  with_kv_kind(rows.kind, copy);
 }
 
 // A query head's output from its blocks' o (partials[b * d + e]), m and l (the rule above), in block order.

@@ -20,6 +20,7 @@ typedef int8_t Int8x4 __attribute__((vector_size(4)));
 struct Vec4Ops {
   using Vec = Float4;
   static constexpr int kWidth = 4;
+  static constexpr int kRegisters = 32;  // NEON; VSX has 64
 
   static Vec zero() { return Vec{}; }
   static Vec load(const float* at) {

@@ -81,16 +81,17 @@ void decode_attention(const MicroKernel& kernel, const float* q, int64_t heads, 
   const int64_t task_work = std::min(keys, kDecodeKeyBlock) * d * group;
   parallel_for(0, kv_heads * blocks, std::max<int64_t>(1, kDecodeAttentionGrain / task_work), [&](int64_t t0,
                                                                                                   int64_t t1) {
-    alignas(64) float query[kMaxHeadDim];
-    alignas(64) float scores[kDecodeKeyBlock];
+    alignas(64) float queries[kMaxAttendHeads * kMaxHeadDim];
+    alignas(64) float scores[kMaxAttendHeads * kDecodeKeyBlock];
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t g = task / blocks, b = task % blocks, j0 = b * kDecodeKeyBlock;
       const KvRows rows = kv_rows_from(cache, g * length + j0, d);
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        for (int64_t e = 0; e < d; ++e) query[e] = q[h * d + e] * scale;
-        const int64_t slot = h * blocks + b;
-        sums[slot] = attend_block(query, rows, std::min(kDecodeKeyBlock, keys - j0), d, scores, partials + slot * d,
-                                  maxes + slot);
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxAttendHeads) {  // the group's heads share the rows
+        const int n = static_cast<int>(std::min<int64_t>(kMaxAttendHeads, (g + 1) * group - h0));
+        for (int64_t e = 0; e < n * d; ++e) queries[e] = q[h0 * d + e] * scale;
+        const int64_t slot = h0 * blocks + b;
+        attend_block(queries, n, rows, std::min(kDecodeKeyBlock, keys - j0), d, scores,
+                     {partials + slot * d, blocks * d, maxes + slot, sums + slot, blocks});
       }
     }
   });

@@ -37,6 +37,9 @@ constexpr int64_t kMaxHeadDim = 1024;
 // thread count; a block's scores live on the stack (1 KiB), its int8 keys in L1 (16 KiB at head_dim 64) while the
 // query heads that share them read them.
 constexpr int64_t kDecodeKeyBlock = 256;
+// Most query heads (of one KV head's group) one MicroKernel::attend_key_block call takes: its scores scratch is
+// kMaxAttendHeads * kDecodeKeyBlock floats (8 KiB), the caller's scaled queries up to 32 KiB, both on the stack.
+constexpr int kMaxAttendHeads = 8;
 // Most rows of A a two-panel decode tile takes (MicroKernel::two_panel_rows).
 constexpr int kTwoPanelMaxRows = 2;
 
@@ -70,6 +73,16 @@ struct KvRows {
   const float* k_scale;
   const float* v_scale;
   KvKind kind;
+};
+
+// Where MicroKernel::attend_key_block writes query head i's results over its block (activation.h's rule): o at
+// out + i * out_stride (d floats), m at max[i * stat_stride], l at sum[i * stat_stride].
+struct KeyBlockOutputs {
+  float* out;
+  int64_t out_stride;
+  float* max;
+  float* sum;
+  int64_t stat_stride;
 };
 
 // Bytes of a cached element; the rows of `rows` from row j on (d elements a row). `static`, as element_bytes below.
@@ -129,11 +142,11 @@ struct MicroKernel {
   // the driver's copies, in the baseline ISA). The same operations in the same order: the same bits either way.
   void (*silu_mul)(float* gate, const float* up, int64_t n) = nullptr;
   float (*softmax_numerators)(float* s, int64_t len, int64_t n) = nullptr;
-  // Optional: activation.h's attend_key_block_row (one query head over one block of the decode attention's keys) in
-  // the variant's ISA, or a copy of it that reorders nothing but the independent work (attention_key_block.h's
-  // attend_key_block_vectors): likewise the same bits.
-  float (*attend_key_block)(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                            float* out, float* max) = nullptr;
+  // Optional: activation.h's attend_key_block_row (1 <= heads <= kMaxAttendHeads query heads that share one block of
+  // the decode attention's keys: queries [heads][d]) in the variant's ISA, or a copy of it that reorders nothing but
+  // the independent work (attention_key_block.h's attend_key_block_vectors): likewise the same bits.
+  void (*attend_key_block)(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                           float* scores, const KeyBlockOutputs& outputs) = nullptr;
 
   // Optional: epilogue.h's scale_tile compiled in the variant's TU, with its ISA (null: the driver's copy). The same
   // bits either way.

@@ -14,6 +14,6 @@ void vsx_pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void
 uint32_t vsx_row_absmax_bits(const void* x, FloatKind kind, int64_t k);
 void vsx_quantize_row(const void* x, FloatKind kind, int64_t k, float inv_scale, int8_t* q);
 // MicroKernel::attend_key_block in VSX (attention_vec4.h's copy of activation.h's rule, compiled for the baseline).
-float vsx_attend_key_block(const float* query, const KvRows& rows, int64_t keys, int64_t d, float* scores,
-                          float* out, float* max);
+void vsx_attend_key_block(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
+                          float* scores, const KeyBlockOutputs& outputs);
 }  // namespace w8a8_cpu

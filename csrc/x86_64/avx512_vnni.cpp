@@ -228,6 +228,7 @@ void vnni_int4_two_panel_rows(const int8_t* a, size_t a_row_stride, int m, const
 struct Avx512Ops {
   using Vec = __m512;
   static constexpr int kWidth = 16;
+  static constexpr int kRegisters = 32;
 
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec load(const float* at) { return _mm512_loadu_ps(at); }

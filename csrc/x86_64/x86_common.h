@@ -99,6 +99,7 @@ inline __m256 load_scales8(const uint8_t* at, bool half) {
 struct Avx2Ops {
   using Vec = __m256;
   static constexpr int kWidth = 8;
+  static constexpr int kRegisters = 16;
 
   static Vec zero() { return _mm256_setzero_ps(); }
   static Vec load(const float* at) { return _mm256_loadu_ps(at); }

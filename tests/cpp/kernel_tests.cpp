@@ -463,8 +463,10 @@ ParallelFor threaded_for(int threads) {
 void test_decode_attention_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
-  const int64_t heads = 6, kv_heads = 2, group = heads / kv_heads;
   int64_t cases = 0;
+  // groups of 3 query heads a KV head, and of 10 (more than one attend_key_block call takes)
+  for (const auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{6, 2}, {20, 2}}) {
+  const int64_t group = heads / kv_heads;
   // keys around the x86 copy's blocks of 8, its value tiles of 128 and the key blocks of 256; d: multiples of 16 (the
   // vector path: 2, 4, 6 or 8 vectors in the last 64 dims) and others (the row's); the cache longer than the keys read;
   // every array 4 bytes into its allocation, as a tensor's data may be
@@ -534,19 +536,22 @@ void test_decode_attention_bits(const MicroKernel& kern, uint64_t seed) {
         }
         CHECK(worst < 1e-5, "%s: decode_attention off by %g from the fp64 attention (kind %d, keys = %lld, d = %lld)",
               kern.name, worst, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
-        // an Inf in KV head 1's last key read: its query heads NaN, head 0's untouched
+        // an Inf in the last KV head's last key read: its query heads NaN, the other heads' untouched
         std::vector<float> poisoned(d, 1.f);
         poisoned[d - 1] = std::numeric_limits<float>::infinity();
-        store_kv_row(kern, poisoned.data(), d, kind, k_.data() + 4, k_scale, length + keys - 1);
+        store_kv_row(kern, poisoned.data(), d, kind, k_.data() + 4, k_scale, (kv_heads - 1) * length + keys - 1);
         decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
                          threaded_for(2));
-        CHECK(std::all_of(got + group * d, got + heads * d, [](float v) { return std::isnan(v); }) &&
-                  std::memcmp(got, want.data(), group * d * 4) == 0,
+        const int64_t clean = (kv_heads - 1) * group * d;  // the floats of the untouched heads
+        CHECK(std::all_of(got + clean, got + heads * d, [](float v) { return std::isnan(v); }) &&
+                  std::memcmp(got, want.data(), clean * 4) == 0,
               "%s: decode_attention with an Inf key is not NaN in its KV head alone (kind %d, keys = %lld, d = %lld)",
               kern.name, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
         ++cases;
       }
-  std::printf("  %-12s decode attention, fp32 / fp16 / int8 caches, 1-3 threads: %" PRId64 " cases\n", kern.name,
+  }
+  std::printf("  %-12s decode attention, fp32 / fp16 / int8 caches, groups of 3 and 10 heads, 1-3 threads: %" PRId64
+              " cases\n", kern.name,
               cases);
 }
 

@@ -168,8 +168,8 @@ static float attend_key_block_head(const float* query, const KvRows& rows, int64
 static void attend_key_block_row(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
                                  float* scores, const KeyBlockOutputs& o) {
   for (int i = 0; i < heads; ++i)
-    o.sum[i * o.stat_stride] =
-        attend_key_block_head(queries + i * d, rows, keys, d, scores, o.out + i * o.out_stride, o.max + i * o.stat_stride);
+    o.sum[i * o.stat_stride] = attend_key_block_head(queries + i * d, rows, keys, d, scores,
+                                                     o.out + i * o.out_stride, o.max + i * o.stat_stride);
 }
 
 // A variant's copy of attend_key_block_row: copy(std::integral_constant<KvKind, kind>{}) for head dims that are a

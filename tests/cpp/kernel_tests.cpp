@@ -464,91 +464,91 @@ void test_decode_attention_bits(const MicroKernel& kern, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   int64_t cases = 0;
-  // groups of 3 query heads a KV head, and of 10 (more than one attend_key_block call takes)
+  // groups of 3 query heads a KV head, and of 10 (more than one attend_key_block call takes: kMaxAttendHeads)
   for (const auto [heads, kv_heads] : {std::pair<int64_t, int64_t>{6, 2}, {20, 2}}) {
-  const int64_t group = heads / kv_heads;
-  // keys around the x86 copy's blocks of 8, its value tiles of 128 and the key blocks of 256; d: multiples of 16 (the
-  // vector path: 2, 4, 6 or 8 vectors in the last 64 dims) and others (the row's); the cache longer than the keys read;
-  // every array 4 bytes into its allocation, as a tensor's data may be
-  for (const KvKind kind : {KvKind::f32, KvKind::f16, KvKind::i8})
-    for (const int64_t keys : {1, 7, 9, 129, 256, 257, 700})
-      for (const int64_t d : {2, 16, 48, 64, 70, 128}) {
-        const int64_t length = keys + 3, rows = kv_heads * length, bytes = kv_element_bytes(kind);
-        std::vector<float> q_(heads * d + 1), x(rows * d), k_scale_(rows + 1), v_scale_(rows + 1);
-        std::vector<uint8_t> k_(rows * d * bytes + 4), v_(rows * d * bytes + 4);
-        float *q = q_.data() + 1, *k_scale = k_scale_.data() + 1, *v_scale = v_scale_.data() + 1;
-        for (int64_t i = 0; i < heads * d; ++i) q[i] = nd(rng);
-        std::vector<double> stored_k(rows * d), stored_v(rows * d);
-        for (auto [cache, scales, stored] : {std::tuple{k_.data() + 4, k_scale, &stored_k},
-                                             std::tuple{v_.data() + 4, v_scale, &stored_v}}) {
-          for (float& v : x) v = nd(rng);
-          std::fill(x.begin() + 5 * d, x.begin() + 6 * d, 0.f);  // row 5 (head 0 or 1) all zeros
-          for (int64_t r = 0; r < rows; ++r) store_kv_row(kern, x.data() + r * d, d, kind, cache, scales, r);
-          for (int64_t i = 0; i < rows * d; ++i) {  // the values as stored, in fp64
-            const uint8_t* at = cache + i * bytes;
-            if (kind == KvKind::f32) {
-              float f32;
-              std::memcpy(&f32, at, 4);
-              (*stored)[i] = f32;
-            } else if (kind == KvKind::f16) {
-              uint16_t f16;
-              std::memcpy(&f16, at, 2);
-              (*stored)[i] = f16_bits_to_float(f16);
-            } else {
-              (*stored)[i] = static_cast<int8_t>(*at) * static_cast<double>(scales[i / d]);
+    const int64_t group = heads / kv_heads;
+    // keys around the x86 copy's blocks of 8, its value tiles of 128 and the key blocks of 256; d: multiples of 16
+    // (the vector path: 2, 4, 6 or 8 vectors in the last 64 dims) and others (the row's); the cache longer than the
+    // keys read; every array 4 bytes into its allocation, as a tensor's data may be
+    for (const KvKind kind : {KvKind::f32, KvKind::f16, KvKind::i8})
+      for (const int64_t keys : {1, 7, 9, 129, 256, 257, 700})
+        for (const int64_t d : {2, 16, 48, 64, 70, 128}) {
+          const int64_t length = keys + 3, rows = kv_heads * length, bytes = kv_element_bytes(kind);
+          std::vector<float> q_(heads * d + 1), x(rows * d), k_scale_(rows + 1), v_scale_(rows + 1);
+          std::vector<uint8_t> k_(rows * d * bytes + 4), v_(rows * d * bytes + 4);
+          float *q = q_.data() + 1, *k_scale = k_scale_.data() + 1, *v_scale = v_scale_.data() + 1;
+          for (int64_t i = 0; i < heads * d; ++i) q[i] = nd(rng);
+          std::vector<double> stored_k(rows * d), stored_v(rows * d);
+          for (auto [cache, scales, stored] : {std::tuple{k_.data() + 4, k_scale, &stored_k},
+                                               std::tuple{v_.data() + 4, v_scale, &stored_v}}) {
+            for (float& v : x) v = nd(rng);
+            std::fill(x.begin() + 5 * d, x.begin() + 6 * d, 0.f);  // row 5 (head 0 or 1) all zeros
+            for (int64_t r = 0; r < rows; ++r) store_kv_row(kern, x.data() + r * d, d, kind, cache, scales, r);
+            for (int64_t i = 0; i < rows * d; ++i) {  // the values as stored, in fp64
+              const uint8_t* at = cache + i * bytes;
+              if (kind == KvKind::f32) {
+                float f32;
+                std::memcpy(&f32, at, 4);
+                (*stored)[i] = f32;
+              } else if (kind == KvKind::f16) {
+                uint16_t f16;
+                std::memcpy(&f16, at, 2);
+                (*stored)[i] = f16_bits_to_float(f16);
+              } else {
+                (*stored)[i] = static_cast<int8_t>(*at) * static_cast<double>(scales[i / d]);
+              }
+            }
+            if (kind == KvKind::i8)
+              CHECK(std::all_of(cache + 5 * d, cache + 6 * d, [](uint8_t b) { return b == 0; }),
+                    "store_kv_row: an all-zero int8 row is not stored as zeros");
+          }
+          const KvRows cache{k_.data() + 4, v_.data() + 4, kind == KvKind::i8 ? k_scale : nullptr,
+                             kind == KvKind::i8 ? v_scale : nullptr, kind};
+          const float scale = 1.f / std::sqrt(static_cast<float>(d));
+          std::vector<float> scratch(decode_attention_scratch_floats(heads, keys, d)), want(heads * d),
+              got_(heads * d + 1);
+          float* got = got_.data() + 1;
+          decode_attention(kRefKernel, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), want.data(),
+                           serial_for);
+          for (const int threads : {1, 2, 3}) {
+            decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
+                             threads == 1 ? ParallelFor(serial_for) : threaded_for(threads));
+            CHECK(std::memcmp(want.data(), got, heads * d * 4) == 0, "%s: decode_attention differs from the "
+                  "reference's (kind %d, keys = %lld, d = %lld, %d threads)", kern.name, static_cast<int>(kind),
+                  static_cast<long long>(keys), static_cast<long long>(d), threads);
+          }
+          double worst = 0;
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t g = h / group;
+            std::vector<double> p(keys);
+            double max = -1e300, sum = 0;
+            for (int64_t j = 0; j < keys; ++j) {
+              for (int64_t e = 0; e < d; ++e)
+                p[j] += static_cast<double>(q[h * d + e]) * stored_k[(g * length + j) * d + e];
+              p[j] *= scale, max = std::max(max, p[j]);
+            }
+            for (double& v : p) sum += (v = std::exp(v - max));
+            for (int64_t e = 0; e < d; ++e) {
+              double exact = 0;
+              for (int64_t j = 0; j < keys; ++j) exact += p[j] / sum * stored_v[(g * length + j) * d + e];
+              worst = std::max(worst, std::fabs(got[h * d + e] - exact));
             }
           }
-          if (kind == KvKind::i8)
-            CHECK(std::all_of(cache + 5 * d, cache + 6 * d, [](uint8_t b) { return b == 0; }),
-                  "store_kv_row: an all-zero int8 row is not stored as zeros");
-        }
-        const KvRows cache{k_.data() + 4, v_.data() + 4, kind == KvKind::i8 ? k_scale : nullptr,
-                           kind == KvKind::i8 ? v_scale : nullptr, kind};
-        const float scale = 1.f / std::sqrt(static_cast<float>(d));
-        std::vector<float> scratch(decode_attention_scratch_floats(heads, keys, d)), want(heads * d),
-            got_(heads * d + 1);
-        float* got = got_.data() + 1;
-        decode_attention(kRefKernel, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), want.data(),
-                         serial_for);
-        for (const int threads : {1, 2, 3}) {
+          CHECK(worst < 1e-5, "%s: decode_attention off by %g from the fp64 attention (kind %d, keys = %lld, d = %lld)",
+                kern.name, worst, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
+          // an Inf in the last KV head's last key read: its query heads NaN, the other heads' untouched
+          std::vector<float> poisoned(d, 1.f);
+          poisoned[d - 1] = std::numeric_limits<float>::infinity();
+          store_kv_row(kern, poisoned.data(), d, kind, k_.data() + 4, k_scale, (kv_heads - 1) * length + keys - 1);
           decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
-                           threads == 1 ? ParallelFor(serial_for) : threaded_for(threads));
-          CHECK(std::memcmp(want.data(), got, heads * d * 4) == 0, "%s: decode_attention differs from the "
-                "reference's (kind %d, keys = %lld, d = %lld, %d threads)", kern.name, static_cast<int>(kind),
-                static_cast<long long>(keys), static_cast<long long>(d), threads);
+                           threaded_for(2));
+          const int64_t clean = (kv_heads - 1) * group * d;  // the floats of the untouched heads
+          CHECK(std::all_of(got + clean, got + heads * d, [](float v) { return std::isnan(v); }) &&
+                    std::memcmp(got, want.data(), clean * 4) == 0,
+                "%s: decode_attention with an Inf key is not NaN in its KV head alone (kind %d, keys = %lld, d = %lld)",
+                kern.name, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
+          ++cases;
         }
-        double worst = 0;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t g = h / group;
-          std::vector<double> p(keys);
-          double max = -1e300, sum = 0;
-          for (int64_t j = 0; j < keys; ++j) {
-            for (int64_t e = 0; e < d; ++e)
-              p[j] += static_cast<double>(q[h * d + e]) * stored_k[(g * length + j) * d + e];
-            p[j] *= scale, max = std::max(max, p[j]);
-          }
-          for (double& v : p) sum += (v = std::exp(v - max));
-          for (int64_t e = 0; e < d; ++e) {
-            double exact = 0;
-            for (int64_t j = 0; j < keys; ++j) exact += p[j] / sum * stored_v[(g * length + j) * d + e];
-            worst = std::max(worst, std::fabs(got[h * d + e] - exact));
-          }
-        }
-        CHECK(worst < 1e-5, "%s: decode_attention off by %g from the fp64 attention (kind %d, keys = %lld, d = %lld)",
-              kern.name, worst, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
-        // an Inf in the last KV head's last key read: its query heads NaN, the other heads' untouched
-        std::vector<float> poisoned(d, 1.f);
-        poisoned[d - 1] = std::numeric_limits<float>::infinity();
-        store_kv_row(kern, poisoned.data(), d, kind, k_.data() + 4, k_scale, (kv_heads - 1) * length + keys - 1);
-        decode_attention(kern, q, heads, cache, kv_heads, length, keys, d, scale, scratch.data(), got,
-                         threaded_for(2));
-        const int64_t clean = (kv_heads - 1) * group * d;  // the floats of the untouched heads
-        CHECK(std::all_of(got + clean, got + heads * d, [](float v) { return std::isnan(v); }) &&
-                  std::memcmp(got, want.data(), clean * 4) == 0,
-              "%s: decode_attention with an Inf key is not NaN in its KV head alone (kind %d, keys = %lld, d = %lld)",
-              kern.name, static_cast<int>(kind), static_cast<long long>(keys), static_cast<long long>(d));
-        ++cases;
-      }
   }
   std::printf("  %-12s decode attention, fp32 / fp16 / int8 caches, groups of 3 and 10 heads, 1-3 threads: %" PRId64
               " cases\n", kern.name,

@@ -137,27 +137,21 @@ static void key_block_values(const float* scores, const KvRows& rows, int64_t ke
   }
 }
 
-// body(std::integral_constant<int, heads>{}) for 1 <= heads <= Max: the heads a constant, so that loops over them
-// unroll and their accumulators stay in registers.
-template <int Max, typename F>
-static void with_heads_upto(int heads, F&& body) {
-  if constexpr (Max > 1)
-    if (heads < Max) return with_heads_upto<Max - 1>(heads, body);
-  body(std::integral_constant<int, Max>{});
-}
-
 // MicroKernel::attend_key_block in Ops' vectors: the heads' scores kScoreHeads at a time, their softmax numerators,
-// their o kValueHeads at a time.
+// their o kValueHeads at a time; each pass's head count a constant (microkernel.h's with_row_count, as a tile's rows),
+// so that the loops over heads unroll and their accumulators stay in registers.
 template <typename Ops>
 static void attend_key_block_vectors(const float* queries, int heads, const KvRows& rows, int64_t keys, int64_t d,
                                      float* scores, const KeyBlockOutputs& o) {
   attend_key_block_by_kind(queries, heads, rows, keys, d, scores, o, [&](auto kind) {
     constexpr KvKind Kind = decltype(kind)::value;
+    // Heads sharing each key vector's widening: a GQA group of 3 or 4 in one pass (more sums than registers halve
+    // kChainKeys instead).
     constexpr int kScoreHeads = 4;
     // Heads whose value accumulators (64 dims each) fit half the ISA's vector registers, at least 1.
     constexpr int kValueHeads = std::max(1, Ops::kRegisters / 2 / (64 / Ops::kWidth));
     for (int i = 0; i < heads; i += kScoreHeads)
-      with_heads_upto<kScoreHeads>(std::min(kScoreHeads, heads - i), [&](auto n) {
+      with_row_count<kScoreHeads>(heads - i, [&](auto n) {
         key_block_scores<Ops, Kind, decltype(n)::value>(queries + i * d, rows, keys, d, scores + i * kDecodeKeyBlock,
                                                         i == 0);
       });
@@ -165,7 +159,7 @@ static void attend_key_block_vectors(const float* queries, int heads, const KvRo
       o.sum[i * o.stat_stride] = softmax_numerators_with_max(scores + i * kDecodeKeyBlock, keys, keys,
                                                              o.max + i * o.stat_stride);
     for (int i = 0; i < heads; i += kValueHeads)
-      with_heads_upto<kValueHeads>(std::min(kValueHeads, heads - i), [&](auto n) {
+      with_row_count<kValueHeads>(heads - i, [&](auto n) {
         key_block_values<Ops, Kind, decltype(n)::value>(scores + i * kDecodeKeyBlock, rows, keys, d,
                                                         o.out + i * o.out_stride, o.out_stride);
       });

@@ -111,17 +111,26 @@ def test_int8_output_layer_holds_the_gate_and_the_lean_loop_follows_the_model(sm
 ROUND_TRIP_CHILD = r"""
 import sys, torch
 from w8a8_cpu.llm import load_quantized
+from w8a8_cpu.llm.decoder import Decoder
 model = load_quantized(sys.argv[1])
 ids = torch.load(sys.argv[2])
 with torch.inference_mode():
-    torch.save(model(ids).logits, sys.argv[3])
+    logits = model(ids).logits
+torch.save({"state": model.state_dict(), "config": model.config.to_dict(), "logits": logits,
+            "hidden": Decoder(model).hidden(ids[0])}, sys.argv[3])
 print(type(model.model.layers[0].mlp.down_proj).__name__, type(model.lm_head).__name__)
 """
 
 
 def test_checkpoint_round_trip_in_a_fresh_process(smollm, smoothed, tmp_path):
+    """A fresh process loads the saved checkpoint into the same tensors (packed weights, scales, norms, rotary tables)
+    and config, and our decoder (only w8a8_cpu's ops: exact whatever the process) computes the same bits from them.
+    transformers' own forward of those tensors is held to the W8A8 chaos bound only: on the CI's avx512_vnni machine
+    torch's float attention gave other last bits in a second process (position 0 equal, every later one moved by
+    per-token quantization), which no checkpoint property can change."""
     from w8a8_cpu.cli import llm as job
     from w8a8_cpu.llm import save_compressed
+    from w8a8_cpu.llm.decoder import Decoder
 
     _, _, eval_ids, _ = smollm
     quantized = w8a8_cpu.nn.quantize_model(copy.deepcopy(smoothed), skip=job.KEEP_FLOAT)
@@ -132,13 +141,23 @@ def test_checkpoint_round_trip_in_a_fresh_process(smollm, smoothed, tmp_path):
     ids = eval_ids[:256].unsqueeze(0)
     torch.save(ids, tmp_path / "ids.pt")
     with torch.inference_mode():
-        want = quantized(ids).logits
+        want_logits = quantized(ids).logits
+    want_hidden = Decoder(quantized).hidden(ids[0])
     r = subprocess.run([*python_command(), "-c", ROUND_TRIP_CHILD, str(tmp_path / "ckpt"), str(tmp_path / "ids.pt"),
-                        str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=600)
+                        str(tmp_path / "loaded.pt")], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split() == ["W8A8Linear", "Linear"]
-    got = torch.load(tmp_path / "logits.pt")
-    assert torch.equal(got, want)
+    loaded = torch.load(tmp_path / "loaded.pt")
+    want_state = quantized.state_dict()
+    assert sorted(loaded["state"]) == sorted(want_state)
+    assert [name for name, t in want_state.items()
+            if t.dtype != loaded["state"][name].dtype or not torch.equal(t, loaded["state"][name])] == []
+    assert loaded["config"] == quantized.config.to_dict()
+    assert torch.equal(loaded["hidden"], want_hidden)
+    got_logits = loaded["logits"]
+    assert torch.allclose(got_logits[0, 0], want_logits[0, 0], rtol=1e-5, atol=1e-5)
+    agreement = (got_logits.argmax(-1) == want_logits.argmax(-1)).float().mean().item()
+    assert agreement > 0.85, agreement
 
 
 def test_main_job_reports_and_gates():

@@ -130,7 +130,8 @@ void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, co
                                 "), which the active '" + kernel.name + "' variant cannot read (it reads " +
                                 std::to_string(g.layout.nr) + "x" + std::to_string(g.layout.kr) +
                                 "); re-pack the raw weight under the active variant");
-  if (g.mr < 1 || g.mr * w.layout.nr > kMaxTileInt32)
+  if (g.mr < 1 || g.mr * w.layout.nr > kMaxTileInt32 ||
+      (kernel.wide_tile && (g.wide_panels < 1 || g.wide_mr < 1 || g.wide_mr * g.wide_panels * w.layout.nr > kMaxTileInt32)))
     throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
 }
 
@@ -260,6 +261,42 @@ void compute_panel_rows(const MicroKernel& kernel, const uint8_t* a_packed, int6
 
 namespace {
 
+// A task's panels (consecutive ones) and the rows of each tile call in it: the variant's wide tile for rows of tiles
+// of int8 weights, else one panel through `tile`.
+struct TaskShape {
+  int panels, mr;
+  bool wide;
+};
+
+TaskShape task_shape(const MicroKernel& kernel, const PackedWeightView& w, int64_t m) {
+  const TileGeometry g = kernel.geometry();
+  if (kernel.wide_tile && !w.int4() && m > kTwoPanelMaxRows) return {g.wide_panels, g.wide_mr, true};
+  return {1, g.mr, false};
+}
+
+// Rows [r0, r1) of panels [panel, panel + count): with a wide shape and count == its panels, the wide tile (all count
+// panels at once, their epilogue a row at a time), else compute_panel_rows panel by panel. The same int32 either way.
+void compute_task_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
+                       const PackedWeightView& w, int64_t panel, int64_t count, const TaskShape& shape,
+                       const GemmOutput& o) {
+  if (!shape.wide || count < shape.panels) {
+    for (int64_t p = panel; p < panel + count; ++p) compute_panel_rows(kernel, a_packed, a_stride, r0, r1, w, p, o);
+    return;
+  }
+  const int width = shape.panels * w.layout.nr;
+  int32_t sums[kMaxTileInt32];
+  load_col_sums(w, panel * w.layout.nr, width, sums);
+  const int64_t n0 = panel * w.layout.nr, cols = std::min<int64_t>(width, w.header.n - n0);
+  const ScaleTileFn scale = scale_tile_of(kernel);
+  int32_t c[kMaxTileInt32];
+  for (int64_t r = r0; r < r1; r += shape.mr) {
+    const int rows = static_cast<int>(std::min<int64_t>(shape.mr, r1 - r));
+    kernel.wide_tile(a_packed + r * a_stride, static_cast<size_t>(a_stride), rows, w.panels + panel * w.panel_bytes,
+                     w.panel_bytes, sums, w.layout, w.header.k_padded, c);
+    scale(c, rows, width, r, n0, cols, o);
+  }
+}
+
 // m <= kTwoPanelMaxRows rows against panels p and p + 1 (p + 1 < the panel count) in one call of the variant's
 // two_panel_rows (int8) or int4_two_panel_rows, then the epilogue of each row of each panel.
 void compute_two_panels(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int m,
@@ -307,41 +344,45 @@ constexpr int kRowBlockTiles = 8;
 // eighth of its share).
 constexpr int64_t kDecodeClaimsPerThread = 8;
 
-// Rows [r0, r1) (at most kRowBlockTiles * mr) of the gated product's columns [n0, n0 + nr), n0 = panel * nr < I: the
-// gate panel's and the up panel's (panel + I / nr) epilogues into fp32 blocks of this task (the bits of separate
-// layers), silu(gate) * up on them while they are in L1, each row cast once into o. Instead of all 2I channels of
-// every row written to memory and read back by a pass of their own (SmolLM2's prefill: 6 MiB a layer).
+// Rows [r0, r1) (at most kRowBlockTiles * shape.mr) of the gated product's columns [n0, n0 + count nr), n0 = panel *
+// nr < I: the gate panels' and the up panels' (panel + I / nr on) epilogues into fp32 blocks of this task (the bits of
+// separate layers), silu(gate) * up on them while they are in L1, each row cast once into o. Instead of all 2I
+// channels of every row written to memory and read back by a pass of their own (SmolLM2's prefill: 6 MiB a layer).
 void compute_gated_rows(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t r0, int64_t r1,
-                        const PackedWeightView& w, int64_t panel, int64_t inter, const GemmOutput& o) {
+                        const PackedWeightView& w, int64_t panel, int64_t count, const TaskShape& shape, int64_t inter,
+                        const GemmOutput& o) {
   const int nr = w.layout.nr;
+  const int64_t width = count * nr;
   float gate[kRowBlockTiles * kMaxTileInt32], up[kRowBlockTiles * kMaxTileInt32];
   GemmOutput block = o;
-  block.out_kind = FloatKind::f32, block.ldo = nr, block.raw_int32 = false, block.first_row = r0;
+  block.out_kind = FloatKind::f32, block.ldo = width, block.raw_int32 = false, block.first_row = r0;
   for (const auto& [half, values] : {std::pair<int64_t, float*>{0, gate}, {inter / nr, up}}) {
     block.out = values, block.first_col = (panel + half) * nr;
-    compute_panel_rows(kernel, a_packed, a_stride, r0, r1, w, panel + half, block);
+    compute_task_rows(kernel, a_packed, a_stride, r0, r1, w, panel + half, count, shape, block);
   }
-  const int64_t n0 = panel * nr, cols = std::min<int64_t>(nr, inter - n0);
+  const int64_t n0 = panel * nr, cols = std::min<int64_t>(width, inter - n0);
   for (int64_t r = r0; r < r1; ++r) {
-    float* row = gate + (r - r0) * nr;
-    silu_mul(kernel, row, up + (r - r0) * nr, cols);
+    float* row = gate + (r - r0) * width;
+    silu_mul(kernel, row, up + (r - r0) * width, cols);
     store_row_from_float(o.at(r, n0), o.out_kind, row, cols);
   }
 }
 
-// Tasks are (panel, block of rows), panel-major: a claim of consecutive tasks is a contiguous slice of the weight,
-// streamed once (decode), reused from cache across its row blocks (prefill). Every output element is produced by
-// one tile call over the full K, so results do not depend on how tasks are split among threads. gated_inter > 0: o is
-// gated_linear's output of that many columns, a task's panel is a gate panel (with its up panel: compute_gated_rows).
+// Tasks are (panels, block of rows), panel-major: a claim of consecutive tasks is a contiguous slice of the weight,
+// streamed once (decode), reused from cache across its row blocks (prefill). A task's panels are task_shape's (the
+// last ones of the weight may be fewer). Every output element is produced by one tile call over the full K, so results
+// do not depend on how tasks are split among threads. gated_inter > 0: o is gated_linear's output of that many
+// columns, a task's panels are gate panels (with their up panels: compute_gated_rows).
 void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_stride, int64_t m,
                  const PackedWeightView& w, const GemmOutput& o, const ParallelFor& parallel_for,
                  int64_t gated_inter = 0) {
   const PackedWeightHeader& h = w.header;
-  const int mr = kernel.geometry().mr;
-  const int64_t rows_per_block = std::min<int64_t>(round_up(m, mr), kRowBlockTiles * mr);
+  const TaskShape shape = task_shape(kernel, w, m);
+  const int64_t rows_per_block = std::min<int64_t>(round_up(m, shape.mr), kRowBlockTiles * shape.mr);
   const int64_t row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const int64_t panels = gated_inter > 0 ? gated_inter / w.layout.nr : h.n_padded / w.layout.nr;
-  const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr * (gated_inter > 0 ? 2 : 1);
+  const int64_t panel_groups = (panels + shape.panels - 1) / shape.panels;
+  const int64_t macs_per_task = rows_per_block * h.k_padded * w.layout.nr * shape.panels * (gated_inter > 0 ? 2 : 1);
   // Decode (m <= kTwoPanelMaxRows, a task per panel): panels two by two where the variant has a two-panel tile for the
   // weight's scheme (a claim of an even number of panels; an odd last one alone).
   const bool two_panels = m <= kTwoPanelMaxRows && row_blocks == 1 && gated_inter == 0 &&
@@ -356,19 +397,19 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
     const int64_t per_thread_bound = panels / (kDecodeClaimsPerThread * parallel_for.threads) / 2 * 2;
     chunk = std::max(round_up(chunk, 2), std::min(4 * chunk, per_thread_bound));
   }
-  dynamic_for(panels * row_blocks, chunk, parallel_for, [&](int64_t t0, int64_t t1) {
+  dynamic_for(panel_groups * row_blocks, chunk, parallel_for, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1;) {
       if (two_panels && t + 1 < t1) {
         compute_two_panels(kernel, a_packed, a_stride, static_cast<int>(m), w, t, o);
         t += 2;
         continue;
       }
-      const int64_t p = t / row_blocks, r0 = t % row_blocks * rows_per_block;
-      const int64_t r1 = std::min(m, r0 + rows_per_block);
+      const int64_t p = t / row_blocks * shape.panels, count = std::min<int64_t>(shape.panels, panels - p);
+      const int64_t r0 = t % row_blocks * rows_per_block, r1 = std::min(m, r0 + rows_per_block);
       if (gated_inter > 0)
-        compute_gated_rows(kernel, a_packed, a_stride, r0, r1, w, p, gated_inter, o);
+        compute_gated_rows(kernel, a_packed, a_stride, r0, r1, w, p, count, shape, gated_inter, o);
       else
-        compute_panel_rows(kernel, a_packed, a_stride, r0, r1, w, p, o);
+        compute_task_rows(kernel, a_packed, a_stride, r0, r1, w, p, count, shape, o);
       ++t;
     }
   }, kernel.thread_enter, kernel.thread_leave);

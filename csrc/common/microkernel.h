@@ -47,6 +47,8 @@ struct TileGeometry {
   PanelLayout layout;   // packed weight layout this variant packs and reads
   int mr;               // rows of A per tile call (1..mr); mr * layout.nr <= kMaxTileInt32
   size_t a_elem_bytes;  // bytes per element of a packed A row
+  // MicroKernel::wide_tile's panels and rows a call (0 without one); wide_mr * wide_panels * layout.nr <= kMaxTileInt32
+  int wide_panels = 0, wide_mr = 0;
 };
 
 struct GemmOutput;  // epilogue.h
@@ -173,14 +175,24 @@ struct MicroKernel {
   bool (*a_row_small)(const int8_t* row, int64_t k) = nullptr;
   void (*tile_small)(const void* a, size_t a_row_stride, int m, const int8_t* panel, const int32_t* col_sums,
                      PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
+
+  // Optional prefill tile (null: `tile` panel by panel; a variant has it or tile_small, not both): m <=
+  // geometry().wide_mr packed rows of A against P = geometry().wide_panels consecutive panels of int8 weights, panel p
+  // p * panel_bytes after the first, in one pass: c[i * P nr + p nr + j], the exact int32 of P `tile` calls (col_sums:
+  // the P panels', P nr). The driver gives it the rows of tiles (m > kTwoPanelMaxRows): each value of A is loaded
+  // once for P panels' multiply-adds, where `tile` loads it once a panel (avx512_vnni, 6 rows x 4 panels: 10 loads a
+  // 24 vpdpbusd instead of 9 a 8).
+  void (*wide_tile)(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
+                    const int32_t* col_sums, PanelLayout layout, int64_t k_padded, int32_t* c) = nullptr;
 };
 
 // The geometry function of a fixed-width variant. `static` (as the helpers below): each TU, ISA-flagged ones
 // included, gets its own copy of every instantiation, so no TU's ISA can leak into another through a shared one.
-template <int Nr, int Kr, int Mr, size_t AElemBytes>
+template <int Nr, int Kr, int Mr, size_t AElemBytes, int WidePanels = 0, int WideMr = 0>
 static TileGeometry fixed_geometry() {
   static_assert(Mr >= 1 && Mr * Nr <= kMaxTileInt32, "tile larger than the driver's tile buffer");
-  return {{Nr, Kr}, Mr, AElemBytes};
+  static_assert(WideMr * WidePanels * Nr <= kMaxTileInt32, "wide tile larger than the driver's tile buffer");
+  return {{Nr, Kr}, Mr, AElemBytes, WidePanels, WideMr};
 }
 
 // pack_a_rows of a variant that packs row by row.

@@ -23,6 +23,9 @@ namespace {
 
 constexpr int kNr = kX86PanelWidth;  // one zmm = 16 channels x 4 k
 constexpr int kMr = 8;
+// The wide prefill tile (MicroKernel::wide_tile): 6 rows x 4 panels = 24 accumulators, 4 panel lines and a broadcast
+// of A in the other 8 of the 32 zmm registers.
+constexpr int kWideMr = 6, kWidePanels = 4;
 
 // acc += a (u8) . b (s8), four products per int32 lane. Inline asm instead of _mm512_dpbusd_epi32: GCC 12
 // copies every accumulator through a spare register around that builtin's tied operand (two extra zmm moves
@@ -45,30 +48,35 @@ void pack_a_row_biased_u8(const int8_t* a, int64_t k, int64_t k_padded, void* ds
 
 // U independent accumulators per row and panel over interleaved k groups: with few rows, one accumulator per row
 // would serialize every vpdpbusd on the previous one's latency (decode, M = 1, ran at ~1/4 of throughput). P panels
-// (the second panel_bytes after the first) in one pass: P = 2 is the decode tile (MicroKernel::two_panel_rows),
-// c[i * P * 16 + p * 16 + j]; its rows keep 4 chains as the one-panel tile's (2 a panel: <= 8 accumulators).
-template <int M, int P = 1, int U = (M <= 2 ? 4 / P : M <= 4 ? 2 : 1)>
+// (panel p at p * panel_bytes) in one pass, c[i * P * 16 + p * 16 + j]: P = 2 is the decode tile
+// (MicroKernel::two_panel_rows; its rows keep 4 chains as the one-panel tile's, 2 a panel: <= 8 accumulators), P = 4
+// the wide prefill tile (U = 1: 4 panels are already 4 chains a row). Stream: the decode tiles read each panel once
+// from memory and prefetch it; the wide tile reads panels that a task reuses from cache for all its rows.
+template <int M, int P = 1, int U = (M <= 2 ? 4 / P : M <= 4 ? 2 : 1), bool Stream = true>
 void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, int64_t panel_bytes, const int32_t* col_sums,
                int64_t k_padded, int32_t* c) {
-  static_assert(P == 1 || M <= kTwoPanelMaxRows, "the two-panel tile is a decode tile");
+  static_assert(M * P * U + P + 1 <= 32, "accumulators, panel lines and the broadcast of A fit the 32 zmm registers");
   __m512i acc[M][P][U];
 #pragma GCC unroll 8
   for (int i = 0; i < M; ++i)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p)
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) acc[i][p][u] = _mm512_setzero_si512();
   // One k step (one line of each panel) into accumulator u.
   auto step = [&](int64_t k, int u) {
     const int64_t offset = k * kNr;
-    // Into L2, kX86PrefetchBytes ahead in each panel's stream (why and how far: x86_common.h); past a panel's end,
-    // the stream goes on in the same panel of the next P (the driver's next call), not in this call's next panel.
-    const int64_t ahead = kX86PrefetchBytes + (offset + kX86PrefetchBytes >= panel_bytes ? (P - 1) * panel_bytes : 0);
     __m512i b[P];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const int8_t* line = panel + p * panel_bytes + offset;
-      _mm_prefetch(reinterpret_cast<const char*>(line + ahead), _MM_HINT_T1);
+      if constexpr (Stream) {
+        // Into L2, kX86PrefetchBytes ahead in each panel's stream (why and how far: x86_common.h); past a panel's
+        // end, the stream goes on in the same panel of the next P (the driver's next call), not in this call's next.
+        const int64_t ahead =
+            kX86PrefetchBytes + (offset + kX86PrefetchBytes >= panel_bytes ? (P - 1) * panel_bytes : 0);
+        _mm_prefetch(reinterpret_cast<const char*>(line + ahead), _MM_HINT_T1);
+      }
       b[p] = _mm512_loadu_si512(line);
     }
 #pragma GCC unroll 8
@@ -76,7 +84,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, int64_t pan
       int32_t a4;
       std::memcpy(&a4, a + i * stride + k, 4);
       const __m512i av = _mm512_set1_epi32(a4);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int p = 0; p < P; ++p) acc[i][p][u] = dpbusd(acc[i][p][u], av, b[p]);
     }
   };
@@ -85,7 +93,7 @@ void tile_rows(const uint8_t* a, size_t stride, const int8_t* panel, int64_t pan
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) step(k + 4 * u, u);
   for (; k < k_padded; k += 4) step(k, 0);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
   for (int p = 0; p < P; ++p) {
     const __m512i correction = _mm512_slli_epi32(_mm512_loadu_si512(col_sums + p * kNr), 7);
 #pragma GCC unroll 8
@@ -111,6 +119,15 @@ void vnni_two_panel_rows(const void* a, size_t a_row_stride, int m, const int8_t
   const auto* a8 = static_cast<const uint8_t*>(a);
   with_row_count<kTwoPanelMaxRows>(m, [&](auto rows) {
     tile_rows<decltype(rows)::value, 2>(a8, a_row_stride, panel, panel_bytes, col_sums, k_padded, c);
+  });
+}
+
+void vnni_wide_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, int64_t panel_bytes,
+                    const int32_t* col_sums, PanelLayout, int64_t k_padded, int32_t* c) {
+  const auto* a8 = static_cast<const uint8_t*>(a);
+  with_row_count<kWideMr>(m, [&](auto rows) {
+    tile_rows<decltype(rows)::value, kWidePanels, 1, /*Stream=*/false>(a8, a_row_stride, panel, panel_bytes, col_sums,
+                                                                       k_padded, c);
   });
 }
 
@@ -277,7 +294,7 @@ extern const MicroKernel kAvx512VnniKernel;  // external linkage: the registry r
 const MicroKernel kAvx512VnniKernel = {
     /*name=*/"avx512_vnni",
     /*required_features=*/kFeatAvx2 | kFeatAvx512Vnni,
-    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1>,
+    /*geometry=*/fixed_geometry<kNr, 4, kMr, 1, kWidePanels, kWideMr>,
     /*reads_any_layout=*/false,
     pack_rows_one_by_one<pack_a_row_biased_u8>,
     vnni_tile,
@@ -293,6 +310,9 @@ const MicroKernel kAvx512VnniKernel = {
     scale_tile,
     vnni_two_panel_rows,
     vnni_int4_two_panel_rows,
+    /*a_row_small=*/nullptr,
+    /*tile_small=*/nullptr,
+    vnni_wide_tile,
 };
 
 }  // namespace w8a8_cpu

@@ -141,39 +141,47 @@ void test_matmul_sweep(const MicroKernel& kern, const std::vector<Shape>& shapes
   std::printf("  %-12s matmul sweep: %zu shapes, %" PRId64 " mismatches\n", kern.name, shapes.size(), mismatches);
 }
 
-// The decode tile over two panels at once (MicroKernel::two_panel_rows): 1 and kTwoPanelMaxRows rows of every shape
-// against each pair of consecutive panels, exact against the int64 reference (the sweep's long K included).
-void test_two_panel_rows(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
-  if (!kern.two_panel_rows) return;
+// A tile over several consecutive panels at once: the decode tile (MicroKernel::two_panel_rows: 2 panels, up to
+// kTwoPanelMaxRows rows) and the wide prefill tile (wide_tile: geometry().wide_panels panels, up to wide_mr rows).
+// Every row count from 1 up over the sweep's shapes against each run of consecutive panels, exact against the int64
+// reference (the sweep's long K included).
+using PanelGroupTile = decltype(MicroKernel::two_panel_rows);
+
+void test_panel_group_tile(const MicroKernel& kern, const char* what, PanelGroupTile tile, int panels, int max_rows,
+                           const std::vector<Shape>& shapes, uint64_t seed) {
+  if (!tile) return;
+  CHECK(panels >= 1 && max_rows >= 1 && max_rows <= 8, "%s: %s geometry %d panels x %d rows", kern.name, what, panels,
+        max_rows);
   std::mt19937_64 rng(seed);
-  int64_t mismatches = 0, pairs = 0;
+  int64_t mismatches = 0, groups = 0;
   for (const Shape& shape : shapes) {
-    const Shape s{shape.m % 2 ? 1 : kTwoPanelMaxRows, shape.n + kern.geometry().layout.nr, shape.k};  // >= 2 panels
+    const int64_t nr = kern.geometry().layout.nr;
+    const Shape s{1 + (shape.m - 1) % max_rows, shape.n + (panels - 1) * nr, shape.k};  // >= `panels` panels
     const auto a = random_int8(rng, s.m * s.k, a_min(kern), 127), w = random_int8(rng, s.n * s.k, -128, 127);
     const auto want = reference_matmul(a, w, s);
     std::vector<uint8_t> blob(packed_weight_nbytes(s.n, s.k, kern.geometry().layout, "w"));
     pack_weight(kern, w.data(), s.n, s.k, s.k, blob.data(), serial_for);
     const PackedWeightView pw = view_packed_weight(blob.data(), static_cast<int64_t>(blob.size()), "w");
-    const int64_t kp = pw.header.k_padded, nr = pw.layout.nr;
-    std::vector<int32_t> sums(pw.header.n_padded), c(s.m * 2 * nr);
+    const int64_t kp = pw.header.k_padded, width = panels * nr;
+    std::vector<int32_t> sums(pw.header.n_padded), c(s.m * width);
     load_col_sums(pw, 0, pw.header.n_padded, sums.data());
     const size_t stride = static_cast<size_t>(kp) * kern.geometry().a_elem_bytes;
     std::vector<uint8_t> apack(s.m * stride);
-    const int8_t* rows[kTwoPanelMaxRows];
+    const int8_t* rows[8];
     for (int64_t i = 0; i < s.m; ++i) rows[i] = a.data() + i * s.k;
     kern.pack_a_rows(rows, s.m, s.k, kp, apack.data(), stride);
-    for (int64_t p = 0; p + 1 < pw.header.n_padded / nr; ++p, ++pairs) {
-      kern.two_panel_rows(apack.data(), stride, static_cast<int>(s.m), pw.panels + p * pw.panel_bytes, pw.panel_bytes,
-                          sums.data() + p * nr, pw.layout, kp, c.data());
+    for (int64_t p = 0; p + panels <= pw.header.n_padded / nr; ++p, ++groups) {
+      tile(apack.data(), stride, static_cast<int>(s.m), pw.panels + p * pw.panel_bytes, pw.panel_bytes,
+           sums.data() + p * nr, pw.layout, kp, c.data());
       for (int64_t i = 0; i < s.m; ++i)
-        for (int64_t j = 0; j < 2 * nr && p * nr + j < s.n; ++j)
-          if (c[i * 2 * nr + j] != want[i * s.n + p * nr + j] && mismatches++ < 5)
-            CHECK(false, "%s: two_panel_rows M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " row %" PRId64 " panel %" PRId64
-                  " column %" PRId64 ": got %d want %" PRId64, kern.name, s.m, s.n, s.k, i, p, j, c[i * 2 * nr + j],
-                  want[i * s.n + p * nr + j]);
+        for (int64_t j = 0; j < width && p * nr + j < s.n; ++j)
+          if (c[i * width + j] != want[i * s.n + p * nr + j] && mismatches++ < 5)
+            CHECK(false, "%s: %s M=%" PRId64 " N=%" PRId64 " K=%" PRId64 " row %" PRId64 " panel %" PRId64
+                  " column %" PRId64 ": got %d want %" PRId64, kern.name, what, s.m, s.n, s.k, i, p, j,
+                  c[i * width + j], want[i * s.n + p * nr + j]);
     }
   }
-  std::printf("  %-12s two_panel_rows: %" PRId64 " panel pairs, %" PRId64 " mismatches\n", kern.name, pairs,
+  std::printf("  %-12s %s: %" PRId64 " runs of %d panels, %" PRId64 " mismatches\n", kern.name, what, groups, panels,
               mismatches);
 }
 
@@ -981,7 +989,9 @@ int run(int argc, char** argv) {
     }
     runnable.push_back(kern);
     test_matmul_sweep(*kern, shapes, seed);
-    test_two_panel_rows(*kern, shapes, seed);
+    test_panel_group_tile(*kern, "two_panel_rows", kern->two_panel_rows, 2, kTwoPanelMaxRows, shapes, seed);
+    test_panel_group_tile(*kern, "wide_tile", kern->wide_tile, kern->geometry().wide_panels,
+                          kern->geometry().wide_mr, shapes, seed);
     test_tile_small(*kern, shapes, seed);
     test_extreme_k(*kern);
     test_driver_int8_min(*kern, seed);
@@ -1002,6 +1012,10 @@ int run(int argc, char** argv) {
   test_crc32c();
   test_dynamic_for_threads_and_hooks();
   test_driver_identical(runnable, seed, {7, 45, 301});
+  // prefill: wide_tile where a variant has it (8 panels: two runs of 4; 11 panels: two runs and 3 alone, the last
+  // partly padding), whole tiles of rows and a remainder
+  test_driver_identical(runnable, seed, {15, 128, 301});
+  test_driver_identical(runnable, seed, {53, 165, 77});
   // decode: two_panel_rows where a variant has it (3 panels: a pair and one alone)
   test_driver_identical(runnable, seed, {1, 45, 301});
   test_driver_identical(runnable, seed, {2, 45, 301});

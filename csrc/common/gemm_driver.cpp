@@ -130,8 +130,9 @@ void check_kernel_reads(const MicroKernel& kernel, const PackedWeightView& w, co
                                 "), which the active '" + kernel.name + "' variant cannot read (it reads " +
                                 std::to_string(g.layout.nr) + "x" + std::to_string(g.layout.kr) +
                                 "); re-pack the raw weight under the active variant");
-  if (g.mr < 1 || g.mr * w.layout.nr > kMaxTileInt32 ||
-      (kernel.wide_tile && (g.wide_panels < 1 || g.wide_mr < 1 || g.wide_mr * g.wide_panels * w.layout.nr > kMaxTileInt32)))
+  const bool wide_fits = !kernel.wide_tile || (g.wide_panels >= 1 && g.wide_mr >= 1 &&
+                                               g.wide_mr * g.wide_panels * w.layout.nr <= kMaxTileInt32);
+  if (g.mr < 1 || g.mr * w.layout.nr > kMaxTileInt32 || !wide_fits)
     throw std::logic_error("micro-kernel tile larger than the driver's tile buffer");
 }
 

@@ -150,8 +150,10 @@ using PanelGroupTile = decltype(MicroKernel::two_panel_rows);
 void test_panel_group_tile(const MicroKernel& kern, const char* what, PanelGroupTile tile, int panels, int max_rows,
                            const std::vector<Shape>& shapes, uint64_t seed) {
   if (!tile) return;
-  CHECK(panels >= 1 && max_rows >= 1 && max_rows <= 8, "%s: %s geometry %d panels x %d rows", kern.name, what, panels,
-        max_rows);
+  if (panels < 1 || max_rows < 1 || max_rows > 8) {  // (rows[] below holds 8)
+    CHECK(false, "%s: %s geometry %d panels x %d rows", kern.name, what, panels, max_rows);
+    return;
+  }
   std::mt19937_64 rng(seed);
   int64_t mismatches = 0, groups = 0;
   for (const Shape& shape : shapes) {
@@ -193,6 +195,8 @@ void test_panel_group_tile(const MicroKernel& kern, const char* what, PanelGroup
 // 256 (32768, past int16) is not small.
 void test_tile_small(const MicroKernel& kern, const std::vector<Shape>& shapes, uint64_t seed) {
   CHECK(!kern.a_row_small == !kern.tile_small, "%s: a_row_small and tile_small come together", kern.name);
+  CHECK(!(kern.tile_small && kern.wide_tile), "%s: a variant sets tile_small or wide_tile, not both (the wide tile's "
+        "rows never ask for small rows)", kern.name);
   if (!kern.tile_small) return;
   std::mt19937_64 rng(seed);
   int64_t mismatches = 0, not_small = 0;

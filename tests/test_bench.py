@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import python_command
+from w8a8_cpu.cli.read_limit import MAX_RING_BYTES, ReadRing, _cache_size_bytes, ring_windows
 from w8a8_cpu.cli.timing import interleaved
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -215,3 +216,28 @@ def test_interleaved_rounds_vary_their_order():
     calls.clear()
     interleaved(candidates, rounds=8, warmup=0)
     assert [calls[i:i + 5] for i in range(0, len(calls), 5)] == rounds, "the same orders on every run"
+
+
+@pytest.mark.parametrize("text, expected", [("307200K", 300 << 20), ("32M", 32 << 20), ("1G", 1 << 30),
+                                            ("512\n", 512), ("", 0), ("big", 0), ("12Q", 0)])
+def test_cache_size_text(text, expected):
+    assert _cache_size_bytes(text) == expected
+
+
+def test_read_ring_windows_come_back_after_three_caches():
+    """Each read of the ring takes the next window, so a window is read again only after all the others: at least
+    three last-level caches of other bytes, never what the last reads left in the cache; a reported cache too large to
+    be true does not make bench allocate past MAX_RING_BYTES."""
+    window = 256 * 1024
+    ring = ReadRing(window, cache_bytes=600 * 1024)
+    assert ring.windows == 9 and (ring.windows - 1) * window >= 3 * 600 * 1024
+    seed = torch.Generator().manual_seed(5)
+    ring.ring.copy_(torch.randint(0, 256, ring.ring.shape, dtype=torch.uint8, generator=seed))
+    probe = torch.ops.w8a8_cpu._read_probe
+    expected = [probe(ring.ring[w * window:(w + 1) * window], "nta") for w in range(ring.windows)]
+    assert len(set(expected)) == ring.windows  # each window's checksum its own
+    read = ring.reader("nta")
+    assert [read() for _ in range(2 * ring.windows)] == expected * 2
+    assert ring_windows(window, 0) == 2
+    assert ring_windows(window, 1 << 40) * window == MAX_RING_BYTES
+    assert ring_windows(256 << 20, 300 << 20) == 5  # the Xeon here: 1280 MiB, each window after 1 GiB of others

@@ -15,9 +15,10 @@ Linear candidates (fp32 activations unless noted; weights made once per shape):
   w8a8_cpu W4A8   w8a8_cpu.nn.W4A8Linear: int4 weights in symmetric groups of 32 (--w4a8-group-size: 32, 64 or 128;
                   ~half the weight bytes), the same op
 Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each candidate's own weight bytes / time)
-and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The read limit: the fastest read of
-a 256 MiB buffer this core does (w8a8_cpu's _read_probe three ways: plain wide loads, software prefetch ahead,
-non-temporal prefetch; best of a few before and after the cases, printed), each way also a candidate of every decode
+and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The read limit: the fastest read from
+memory this core does (read_limit.py: w8a8_cpu's _read_probe three ways, plain wide loads, software prefetch ahead,
+non-temporal prefetch, over a ring of 256 MiB windows past the last-level cache; best of a few before and after the
+cases, printed), each way also a candidate of every decode
 case's interleaved rounds; a case's limit is the best of those reads and of every baseline's weight bytes per second
 in the same rounds (a peer GEMV that reads faster than the probe sets the limit). Decode efficiency = w8a8_cpu weight
 bytes per second / that limit (medians of the same rounds, which the load of other jobs on the memory bus hits
@@ -34,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -46,6 +46,7 @@ from .._packed_weight import header_half_scales, scale_bytes
 from ..nn.experts import quantize_experts
 from .baselines import ao_dynamic
 from .options import output_file, positive_int
+from .read_limit import READ_WAYS, ReadRing
 from .timing import Progress, interleaved, medians
 
 # Llama-3-8B-like linear layers (N output features x K input features).
@@ -79,12 +80,11 @@ ORT_RR, ORT = "onnxruntime rr", "onnxruntime int8"
 W4A8, W4A8_GROUPS = "w8a8_cpu W4A8", (32, 64, 128)
 PEERS = (FP32, BF16, AO, WO, ORT_RR, ORT)  # other libraries' GEMMs
 BASELINES = PEERS + (W4A8,)
-# The read probe's ways (w8a8_cpu._read_probe), each a pseudo-candidate "read <way>" of decode cases.
-READ_WAYS = ("plain", "prefetch", "nta")
+# The read probe's ways (read_limit.py), each a pseudo-candidate "read <way>" of decode cases.
 READS = tuple(f"read {way}" for way in READ_WAYS)
 # Decode cases also time ours as a model's decode runs its layers: distinct copies of the layer (STACK_MIB of int8
-# weights in all, far past the last-level cache) called back to back, so each reads its weights from memory while the
-# code and the activations stay warm; the per-layer time is the stack's over the copies. A lone call after the other
+# weights in all; a copy comes back after the whole stack and a round's reads of the ring, over 1 GiB) called back to
+# back, so each reads its weights from memory while the code and the activations stay warm; the per-layer time is the stack's over the copies. A lone call after the other
 # candidates also pays for its code and data coming back from memory (~0.1-0.3 ms a call on a Zen4 VM: 4096x4096 M=1
 # 63% of the read bandwidth alone, 88% in a stack), which a model's decode does not.
 STACK, W4A8_STACK = "w8a8_cpu stack", "W4A8 stack"
@@ -103,24 +103,6 @@ QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
 
 
 # --------------------------------------------------------------------------------------------------- timing
-
-def read_probe(buffer: torch.Tensor, way: str) -> Callable[[], int]:
-    """One read of `buffer` (uint8, far larger than the caches) the probe's `way`, on torch's threads."""
-    return lambda: torch.ops.w8a8_cpu._read_probe(buffer, way)
-
-
-def read_bandwidth(buffer: torch.Tensor, tries: int = 5) -> float:
-    """The read limit in GB/s: best of `tries` reads of `buffer` each of the probe's ways."""
-    best = float("inf")
-    for way in READ_WAYS:
-        read = read_probe(buffer, way)
-        read()  # warm up
-        for _ in range(tries):
-            t0 = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - t0)
-    return buffer.numel() / best / 1e9
-
 
 # --------------------------------------------------------------------------------------------------- linear
 
@@ -553,17 +535,15 @@ def run_once(args, plan: Plan) -> dict:
           f"speedup = baseline time / w8a8_cpu time; W4A8: symmetric int4 in groups of {args.w4a8_group_size}")
     progress = Progress(len(plan.linear_shapes) * len(plan.ms) + len(plan.moe_cases) + 3,
                         enabled=not args.no_progress)
-    bw_mib = 64 if args.quick else 256
-    read_ref = torch.ones(bw_mib << 20, dtype=torch.uint8)
-    read_bytes = read_ref.numel()
-    bw_samples = [read_bandwidth(read_ref, 3 if args.quick else 5)]
+    reads = ReadRing((64 if args.quick else 256) << 20)
+    bw_samples = [reads.bandwidth(3 if args.quick else 5)]
     progress.step("read bandwidth")
     gen = torch.Generator().manual_seed(0)
     errors: Dict[str, str] = {}
     result = {"version": w8a8_cpu.__version__, "info": info, "threads": threads, "torch_ao_engine": engine,
               "reps": reps, "warmup": warmup, "quick": bool(args.quick), "w4a8_group_size": args.w4a8_group_size,
               "linear": [], "moe": [],
-              "read_bandwidth_method": f"best read of a {bw_mib} MiB buffer ({', '.join(READ_WAYS)})"}
+              "read_bandwidth_method": f"best read ({', '.join(READ_WAYS)}) of {reads.describe()}"}
     linear_out: List[tuple] = []
     has_decode = any(phase_of(m) == "decode" for m in plan.ms)
     stack_mib = (QUICK_STACK_MIB if args.quick else STACK_MIB) if has_decode else 0  # no decode case, no stack
@@ -574,12 +554,12 @@ def run_once(args, plan: Plan) -> dict:
             progress.step(f"linear {shape} M={m}")
             candidates, rel_errors = make(m)
             if phase_of(m) == "decode":
-                candidates.update({cand: read_probe(read_ref, way) for cand, way in zip(READS, READ_WAYS)})
+                candidates.update({cand: reads.reader(way) for cand, way in zip(READS, READ_WAYS)})
             linear_out.append((shape, n, k, m, interleaved(candidates, reps, warmup), weight_bytes, rel_errors,
                                copies))
         del make
     if plan.linear_shapes:
-        bw_samples.append(read_bandwidth(read_ref, 3 if args.quick else 5))
+        bw_samples.append(reads.bandwidth(3 if args.quick else 5))
     progress.step("overhead (M=1 N=K=64)")
     result["overhead_us"] = bench_overhead(reps, warmup, inner=200 if args.quick else 2000)
     for m, e, k in plan.moe_cases:
@@ -591,7 +571,7 @@ def run_once(args, plan: Plan) -> dict:
     bw = max(bw_samples)
     result["read_bandwidth_gbs"] = bw
     result["read_bandwidth_samples_gbs"] = bw_samples
-    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, read_bytes, err, copies)
+    result["linear"] = [summarize_linear(s, n, k, m, smp, wb, bw, reads.window_bytes, err, copies)
                         for s, n, k, m, smp, wb, err, copies in linear_out]
     result["unavailable"] = errors
     print(f"read limit: {bw:.2f} GB/s ({result['read_bandwidth_method']}; samples "

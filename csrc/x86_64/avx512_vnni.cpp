@@ -131,19 +131,26 @@ void vnni_wide_tile(const void* a, size_t a_row_stride, int m, const int8_t* pan
   });
 }
 
-// W4A8: the panel's nibbles u = q + 8 widened in registers (32 bytes -> 64 u8: low nibbles, then the high ones, the
-// panel's element order) and multiplied as the unsigned operand of vpdpbusd against the plain int8 activations:
-// acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum). The groups
-// combine in the driver's fp32 order (mul, then add: no FMA, as everywhere).
-// P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode tile
-// (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
+// W4A8: the panel's nibbles u = q + 8 multiplied as the unsigned operand of vpdpbusd against the plain int8
+// activations: acc = sum u * a = sum q * a + 8 * sum a, so q's exact group product is acc - 8 * (the row's group sum).
+// A 64-byte line of a panel is 8 k: bytes 0-31 hold k .. k + 3 (low nibbles channels 0-7, high nibbles 8-15, 4 k a
+// channel), bytes 32-63 k + 4 .. k + 7 likewise. So the line's low nibbles are channels 0-7 in int32 lanes 0-7 against
+// a[k .. k + 3] and in lanes 8-15 against a[k + 4 .. k + 7], its high nibbles channels 8-15 the same way: two
+// vpdpbusd a line against one activation vector of both quads, no shuffle of the weights (3 vector operations a line
+// to widen, not 6: the tile ran at ~2.5x the memory's speed from cache and no faster from memory than ~90% of it); a
+// group's sums add the lanes' two halves (exact int32). The groups combine in the driver's fp32 order (mul, then
+// add: no FMA, as everywhere). P panels (the second panel_bytes after the first) in one pass: P = 2 is the decode
+// tile (MicroKernel::int4_two_panel_rows), t[i * P * 16 + p * 16 + j].
 template <int M, int P = 1>
 void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t panel_bytes, const Int4Groups& f,
                const int32_t* a_group_sums, float* t) {
   static_assert(P == 1 || M <= kTwoPanelMaxRows, "the two-panel tile is a decode tile");
   const int64_t group = f.group, groups = f.groups;
   const bool has_mins = f.has_mins;
-  constexpr int U = M <= 2 ? 2 : 1;  // independent accumulators per row and panel (latency, as tile_rows)
+  // Independent accumulators per row, panel and nibble half (latency, as tile_rows): lines alternate between them.
+  // Groups are multiples of 32 k, 4 lines.
+  constexpr int U = M * P <= 2 ? 2 : 1;
+  static_assert(M * P * 2 * U + M * P + 5 <= 32, "accumulators, sums, lines and the activations fit the zmm registers");
   // The row loops are unrolled so that sum and acc stay in registers (GCC 12 kept a rolled loop's sum in memory:
   // prefill ~15% slower).
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
@@ -165,39 +172,39 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
       _mm_prefetch(stream[p].scales_ahead(g), _MM_HINT_T1);
       if (has_mins) _mm_prefetch(stream[p].mins_ahead(g), _MM_HINT_T1);
     }
-    __m512i acc[M][P][U];
+    __m512i acc[M][P][2][U];  // [..][0]: low nibbles (channels 0-7), [..][1]: high (8-15); lanes 8-15 the second quad
 #pragma GCC unroll 8
     for (int i = 0; i < M; ++i)
 #pragma GCC unroll 2
       for (int p = 0; p < P; ++p)
 #pragma GCC unroll 2
-        for (int u = 0; u < U; ++u) acc[i][p][u] = _mm512_setzero_si512();
-    // 8 k (two 32-byte steps, one cache line of each panel) per iteration: groups are multiples of 32 k
-    auto step = [&](int64_t k, int64_t byte, int u) {
-      __m512i w[P];
+        for (int u = 0; u < U; ++u) acc[i][p][0][u] = acc[i][p][1][u] = _mm512_setzero_si512();
+    // One line (8 k) of each panel into accumulators u.
+    auto line = [&](int64_t k, int u) {
+      __m512i low[P], high[P];
 #pragma GCC unroll 2
       for (int p = 0; p < P; ++p) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles[p] + byte));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-        w[p] = _mm512_and_si512(both, low_nibbles);
+        _mm_prefetch(stream[p].nibbles_ahead(nibbles[p]), _MM_HINT_T1);
+        const __m512i x = _mm512_loadu_si512(nibbles[p]);
+        low[p] = _mm512_and_si512(x, low_nibbles);
+        high[p] = _mm512_and_si512(_mm512_srli_epi16(x, 4), low_nibbles);
+        nibbles[p] += 64;
       }
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
-        int32_t a4;
-        std::memcpy(&a4, a + i * stride + k, 4);
-        const __m512i av = _mm512_set1_epi32(a4);
+        int32_t quads[2];
+        std::memcpy(quads, a + i * stride + k, 8);
+        const __m512i av = _mm512_mask_set1_epi32(_mm512_set1_epi32(quads[0]), 0xff00, quads[1]);
 #pragma GCC unroll 2
-        for (int p = 0; p < P; ++p) acc[i][p][u] = dpbusd(acc[i][p][u], w[p], av);
+        for (int p = 0; p < P; ++p) {
+          acc[i][p][0][u] = dpbusd(acc[i][p][0][u], low[p], av);
+          acc[i][p][1][u] = dpbusd(acc[i][p][1][u], high[p], av);
+        }
       }
     };
-    for (int64_t k = g * group; k < (g + 1) * group; k += 8) {
+    for (int64_t k = g * group; k < (g + 1) * group; k += 8 * U)
 #pragma GCC unroll 2
-      for (int p = 0; p < P; ++p) _mm_prefetch(stream[p].nibbles_ahead(nibbles[p]), _MM_HINT_T1);
-      step(k, 0, 0);
-      step(k + 4, 32, U - 1);
-#pragma GCC unroll 2
-      for (int p = 0; p < P; ++p) nibbles[p] += 64;
-    }
+      for (int u = 0; u < U; ++u) line(k + 8 * u, u);
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) {
       const uint8_t* scales = stream[p].scales(g);
@@ -206,9 +213,15 @@ void int4_rows(const int8_t* a, size_t stride, const uint8_t* panel, int64_t pan
                                : _mm512_loadu_ps(scales);
 #pragma GCC unroll 8
       for (int i = 0; i < M; ++i) {
-        __m512i total = acc[i][p][0];
+        __m512i low = acc[i][p][0][0], high = acc[i][p][1][0];
 #pragma GCC unroll 2
-        for (int u = 1; u < U; ++u) total = _mm512_add_epi32(total, acc[i][p][u]);
+        for (int u = 1; u < U; ++u) {
+          low = _mm512_add_epi32(low, acc[i][p][0][u]);
+          high = _mm512_add_epi32(high, acc[i][p][1][u]);
+        }
+        // channels 0-7 from the low nibbles' two quads, 8-15 from the high ones'
+        const __m512i total = _mm512_add_epi32(_mm512_shuffle_i64x2(low, high, 0x44),
+                                               _mm512_shuffle_i64x2(low, high, 0xee));
         const int32_t a_sum = a_group_sums[i * groups + g];
         const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * a_sum));
         sum[i][p] = _mm512_add_ps(sum[i][p], _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale));

@@ -226,7 +226,7 @@ def fake_engine(name, tokens, log):
     return bench_llm.Engine(greedy=greedy, prefill=prefill)
 
 
-def test_sweep_interleaves_engines_per_thread_count():
+def test_sweep_interleaves_engines_and_thread_counts():
     log, built = [], []
     reference = list(range(100, 108))
     tokens = {bench_llm.FP32: reference, bench_llm.EAGER: reference[:3] + [0] * 5, bench_llm.CT2: [7] * 8}
@@ -243,6 +243,10 @@ def test_sweep_interleaves_engines_per_thread_count():
     assert [r["threads"] for r in runs] == [1, 2]
     names = list(tokens)
     calls = 1 + 2  # warm-up round + timed rounds, every engine once per round
+    per_round = 2 * len(names)  # every engine at both thread counts
+    assert [sorted((e[2], e[1]) for e in log[i:i + per_round]) for i in range(0, len(log), per_round)] == \
+        [sorted((t, n) for t in (1, 2) for n in names)] * (2 * calls), \
+        "a round runs every engine at every thread count, torch's count set for each call"
     for threads, run in zip([1, 2], runs):
         mine = [entry for entry in log if entry[2] == threads]
         assert [e[0] for e in mine] == ["decode"] * len(names) * calls + ["prefill"] * len(names) * calls
@@ -306,14 +310,14 @@ def test_decode_after_a_context_is_timed_without_the_prompts_prefill():
         bench_llm.sweep(lambda threads: engines, [1], torch.arange(300), torch.arange(16), new_tokens=8, rounds=1,
                         progress=QUIET, without_prefill=True)
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        bench_llm.measure(engines, torch.arange(5), torch.arange(16), 1, 1, QUIET, "1 thread", without_prefill=True)
+        bench_llm.measure({1: engines}, torch.arange(5), torch.arange(16), 1, 1, QUIET, without_prefill=True)
 
 
 def test_an_engine_stopping_early_is_an_error():
     log = []
     engines = {bench_llm.FP32: fake_engine(bench_llm.FP32, [1] * 3, log)}
     with pytest.raises(RuntimeError, match="generated 3 tokens instead of 8"):
-        bench_llm.measure(engines, torch.arange(5), torch.arange(16), 8, 1, QUIET, "1 thread")
+        bench_llm.measure({1: engines}, torch.arange(5), torch.arange(16), 8, 1, QUIET)
 
 
 @pytest.mark.slow_under_emulation  # transformers' import and generate loop under qemu

@@ -19,7 +19,8 @@ prefill = time to the next-token logits of the first --prefill-tokens tokens of 
 last position only; greedy = generated tokens equal to fp32's before the first difference (a sanity check: a whole
 int8 model parts from fp32 after a few tokens, see docs/numerics.md); KV bytes = each fast path row's KV cache at the prompt's
 and new tokens' positions (keys, values and int8 scales of every layer). Engines are timed in interleaved rounds
-(timing.interleaved) after one warm-up round, medians reported; nothing is asserted.
+(timing.interleaved) after one warm-up round, every engine at every thread count in each round (a 2 / 1 thread
+ratio from the same minutes), medians reported; nothing is asserted.
 """
 from __future__ import annotations
 
@@ -153,87 +154,98 @@ def build_engines(fp32: torch.nn.Module, progress: Progress, unavailable: Dict[s
 
 # --------------------------------------------------------------------------------------------------- measurement
 
-def measure(engines: Dict[str, Engine], prompt_ids: torch.Tensor, prefill_ids: torch.Tensor, new_tokens: int,
-            rounds: int, progress: Progress, label: str, without_prefill: bool = False) -> Dict[str, dict]:
-    """Decode and prefill of every engine in interleaved rounds (decode rounds first, then prefill rounds), with the
-    greedy tokens of each engine's last decode; ratios against CTranslate2 and llama.cpp's published figure.
-    without_prefill (--context): decode is the tokens after the first over the median of the rounds' times from the
-    first new token to the last, as the engine reports them (its prompt's prefill before the first is not counted)."""
-    generated: Dict[str, List[int]] = {}
-    after_first_s: Dict[str, List[float]] = {name: [] for name in engines}  # --context: each round's
+def measure(engines: Dict[int, Dict[str, Engine]], prompt_ids: torch.Tensor, prefill_ids: torch.Tensor,
+            new_tokens: int, rounds: int, progress: Progress, without_prefill: bool = False) -> List[dict]:
+    """Decode and prefill of every engine at every thread count (engines[threads]: the engines made for it) in one
+    set of interleaved rounds (decode rounds first, then prefill rounds), torch's thread count set before each call:
+    a round times every engine at every count, so a host's drift between minutes hits 1 and 2 threads alike and
+    their ratio is the same run's. Per thread count: the greedy tokens of each engine's last decode, ratios against
+    CTranslate2 and llama.cpp's published figure. without_prefill (--context): decode is the tokens after the first
+    over the median of the rounds' times from the first new token to the last, as the engine reports them (its
+    prompt's prefill before the first is not counted)."""
+    candidates = [(threads, name) for threads, named in engines.items() for name in named]
+    generated: Dict[tuple, List[int]] = {}
+    after_first_s: Dict[tuple, List[float]] = {key: [] for key in candidates}  # --context: each round's
     if without_prefill and new_tokens < 2:
         raise ValueError("new_tokens: decode without the prompt's prefill needs at least 2 tokens")
 
-    def decode_call(name: str, engine: Engine) -> Callable[[], None]:
-        def call() -> None:
-            if not without_prefill:
-                generated[name] = [int(t) for t in engine.greedy(prompt_ids, new_tokens)]
-                return
-            chosen_at: List[float] = []
-            generated[name] = [int(t) for t in engine.greedy(
-                prompt_ids, new_tokens, on_token=lambda token: chosen_at.append(time.perf_counter()))]
-            if len(chosen_at) != new_tokens:
-                raise RuntimeError(f"{name} reported {len(chosen_at)} of its {new_tokens} tokens as chosen")
-            after_first_s[name].append(chosen_at[-1] - chosen_at[0])
+    def at_threads(key: tuple, run: Callable[[Engine], object]) -> Callable[[], object]:
+        threads, name = key
+
+        def call() -> object:
+            torch.set_num_threads(threads)
+            return run(engines[threads][name])
         return call
 
-    def timed(calls: Dict[str, Callable[[], object]], what: str) -> Dict[str, List[float]]:
-        progress.step(f"{label}: {what} warm-up")
-        return interleaved(calls, rounds, WARMUP_ROUNDS,
-                           on_round=lambda r: progress.step(f"{label}: {what} round {r}/{rounds}"))
+    def decode(key: tuple, engine: Engine) -> None:
+        if not without_prefill:
+            generated[key] = [int(t) for t in engine.greedy(prompt_ids, new_tokens)]
+            return
+        chosen_at: List[float] = []
+        generated[key] = [int(t) for t in engine.greedy(
+            prompt_ids, new_tokens, on_token=lambda token: chosen_at.append(time.perf_counter()))]
+        if len(chosen_at) != new_tokens:
+            raise RuntimeError(f"{key[1]} reported {len(chosen_at)} of its {new_tokens} tokens as chosen")
+        after_first_s[key].append(chosen_at[-1] - chosen_at[0])
 
-    decode_s = timed({name: decode_call(name, engine) for name, engine in engines.items()}, "decode")
-    prefill_s = timed({name: (lambda engine=engine: engine.prefill(prefill_ids)) for name, engine in engines.items()},
-                      "prefill")
-    for name, tokens in generated.items():
+    def timed(run: Callable[[tuple, Engine], object], what: str) -> Dict[tuple, List[float]]:
+        progress.step(f"{what} warm-up")
+        calls = {key: at_threads(key, lambda engine, key=key: run(key, engine)) for key in candidates}
+        return interleaved(calls, rounds, WARMUP_ROUNDS, on_round=lambda r: progress.step(f"{what} round {r}/{rounds}"))
+
+    decode_s = timed(decode, "decode")
+    prefill_s = timed(lambda key, engine: engine.prefill(prefill_ids), "prefill")
+    for (threads, name), tokens in generated.items():
         if len(tokens) != new_tokens:  # its tok/s would be wrong: an end token must not stop a timed generation
             raise RuntimeError(f"{name} generated {len(tokens)} tokens instead of {new_tokens}")
-    reference = generated.get(FP32)
     decode_median, prefill_median = medians(decode_s), medians(prefill_s)
-    results = {}
-    for name in engines:
-        if without_prefill:  # the warm-up rounds' times come first in the list
-            generation_s = statistics.median(after_first_s[name][WARMUP_ROUNDS:])
-            tokens_per_s = (new_tokens - 1) / generation_s if generation_s > 0 else None  # a clock too coarse
-        else:
-            tokens_per_s = new_tokens / decode_median[name]
-        results[name] = {
-            "decode_tokens_per_s": tokens_per_s, "prefill_s": prefill_median[name],
-            "decode_s_rounds": decode_s[name], "prefill_s_rounds": prefill_s[name],
-            **({"after_first_token_s_rounds": after_first_s[name][WARMUP_ROUNDS:]} if without_prefill else {}),
-            "greedy_equal_prefix": None if reference is None else evaluate.agreeing_prefix(generated[name], reference),
-            "kv_bytes": engines[name].kv_bytes(prompt_ids.numel() + new_tokens) if engines[name].kv_bytes else None,
-            "tokens": generated[name],
-            # llama.cpp's figure is a short prompt's decode: no ratio to a long context's
-            "decode_vs_llama_cpp": None if without_prefill else tokens_per_s / LLAMA_CPP_DECODE_TOKENS_PER_S,
-        }
-    if CT2 in results:  # speed ratios, > 1: faster than CTranslate2
-        peer = results[CT2]
-        for r in results.values():
-            rates = r["decode_tokens_per_s"], peer["decode_tokens_per_s"]
-            r["decode_vs_ctranslate2"] = None if None in rates else rates[0] / rates[1]
-            r["prefill_vs_ctranslate2"] = peer["prefill_s"] / r["prefill_s"]
-    return results
+    runs = []
+    for threads, named in engines.items():
+        reference = generated.get((threads, FP32))
+        results = {}
+        for name in named:
+            key = (threads, name)
+            if without_prefill:  # the warm-up rounds' times come first in the list
+                generation_s = statistics.median(after_first_s[key][WARMUP_ROUNDS:])
+                tokens_per_s = (new_tokens - 1) / generation_s if generation_s > 0 else None  # a clock too coarse
+            else:
+                tokens_per_s = new_tokens / decode_median[key]
+            results[name] = {
+                "decode_tokens_per_s": tokens_per_s, "prefill_s": prefill_median[key],
+                "decode_s_rounds": decode_s[key], "prefill_s_rounds": prefill_s[key],
+                **({"after_first_token_s_rounds": after_first_s[key][WARMUP_ROUNDS:]} if without_prefill else {}),
+                "greedy_equal_prefix": None if reference is None else evaluate.agreeing_prefix(generated[key],
+                                                                                                reference),
+                "kv_bytes": named[name].kv_bytes(prompt_ids.numel() + new_tokens) if named[name].kv_bytes else None,
+                "tokens": generated[key],
+                # llama.cpp's figure is a short prompt's decode: no ratio to a long context's
+                "decode_vs_llama_cpp": None if without_prefill else tokens_per_s / LLAMA_CPP_DECODE_TOKENS_PER_S,
+            }
+        if CT2 in results:  # speed ratios, > 1: faster than CTranslate2
+            peer = results[CT2]
+            for r in results.values():
+                rates = r["decode_tokens_per_s"], peer["decode_tokens_per_s"]
+                r["decode_vs_ctranslate2"] = None if None in rates else rates[0] / rates[1]
+                r["prefill_vs_ctranslate2"] = peer["prefill_s"] / r["prefill_s"]
+        runs.append({"threads": threads, "decode_without_prefill": without_prefill, "engines": results})
+    return runs
 
 
 def sweep(engines_for: Callable[[int], Dict[str, Engine]], threads: Sequence[int], prompt_ids: torch.Tensor,
           prefill_ids: torch.Tensor, new_tokens: int, rounds: int, progress: Progress,
           without_prefill: bool = False) -> List[dict]:
-    """measure() once per thread count: torch's thread count set first, then engines_for(threads) gives the engines
-    (the torch ones follow torch's setting; CTranslate2 needs a generator per count). torch's count is restored."""
+    """measure() over every thread count at once: the engines for each count made with torch's thread count set to
+    it (engines_for(threads); the torch ones follow torch's setting, CTranslate2 needs a generator per count), then
+    every count timed in the same rounds. torch's count is restored."""
     before = torch.get_num_threads()
-    runs = []
     try:
+        engines = {}
         for count in threads:
             torch.set_num_threads(count)
-            engines = engines_for(count)
-            engines_run = measure(engines, prompt_ids, prefill_ids, new_tokens, rounds, progress,
-                                  f"{count} thread{'s' * (count > 1)}", without_prefill)
-            runs.append({"threads": count, "decode_without_prefill": without_prefill, "engines": engines_run})
-            del engines  # a CTranslate2 generator holds its own copy of the model and its thread pool
+            engines[count] = engines_for(count)
+        return measure(engines, prompt_ids, prefill_ids, new_tokens, rounds, progress, without_prefill)
     finally:
         torch.set_num_threads(before)
-    return runs
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -320,7 +332,7 @@ def run(args, parser) -> int:
     from . import llm as job
     from .baselines import ctranslate2_generator
 
-    progress = Progress(6 + 2 * len(args.threads) * (1 + args.rounds), enabled=not args.no_progress,
+    progress = Progress(6 + 2 * (1 + args.rounds), enabled=not args.no_progress,
                         name="bench llm")
     progress.step("loading SmolLM2-135M-Instruct (offline)")
     fp32, tokenizer = smollm2.load(progress)

@@ -18,12 +18,11 @@ Per case: median time, GOPS (2*M*N*K / time), effective weight bandwidth (each c
 and time ratios (baseline time / w8a8_cpu time: > 1 means w8a8_cpu is faster). The read limit: the fastest read from
 memory this core does (read_limit.py: w8a8_cpu's _read_probe three ways, plain wide loads, software prefetch ahead,
 non-temporal prefetch, over a ring of 256 MiB windows past the last-level cache; best of a few before and after the
-cases, printed), each way also a candidate of every decode
-case's interleaved rounds; a case's limit is the best of those reads and of every baseline's weight bytes per second
-in the same rounds (a peer GEMV that reads faster than the probe sets the limit). Decode efficiency = w8a8_cpu weight
-bytes per second / that limit (medians of the same rounds, which the load of other jobs on the memory bus hits
-alike); W4A8's counts its own bytes (nibbles and group scales, fp16-stored: quantize_weight_int4's scales are fp16
-values).
+cases, printed), each way also a candidate of every decode case's interleaved rounds; a case's limit is the best of
+those reads and of every baseline's weight bytes per second in the same rounds (a peer GEMV that reads faster than the
+probe sets the limit). Decode efficiency = w8a8_cpu weight bytes per second / that limit (medians of the same rounds,
+which the load of other jobs on the memory bus hits alike); W4A8's counts its own bytes (nibbles and group scales,
+fp16-stored: quantize_weight_int4's scales are fp16 values).
 """
 from __future__ import annotations
 
@@ -84,9 +83,10 @@ BASELINES = PEERS + (W4A8,)
 READS = tuple(f"read {way}" for way in READ_WAYS)
 # Decode cases also time ours as a model's decode runs its layers: distinct copies of the layer (STACK_MIB of int8
 # weights in all; a copy comes back after the whole stack and a round's reads of the ring, over 1 GiB) called back to
-# back, so each reads its weights from memory while the code and the activations stay warm; the per-layer time is the stack's over the copies. A lone call after the other
-# candidates also pays for its code and data coming back from memory (~0.1-0.3 ms a call on a Zen4 VM: 4096x4096 M=1
-# 63% of the read bandwidth alone, 88% in a stack), which a model's decode does not.
+# back, so each reads its weights from memory while the code and the activations stay warm; the per-layer time is the
+# stack's over the copies. A lone call after the other candidates also pays for its code and data coming back from
+# memory (~0.1-0.3 ms a call on a Zen4 VM: 4096x4096 M=1 63% of the read bandwidth alone, 88% in a stack), which a
+# model's decode does not.
 STACK, W4A8_STACK = "w8a8_cpu stack", "W4A8 stack"
 STACKS = (STACK, W4A8_STACK)
 STACK_MIB, QUICK_STACK_MIB = 256, 64
@@ -101,8 +101,6 @@ QUICK_SHAPES = ("4096x4096",)
 QUICK_M = (1, 16)
 QUICK_MOE = [(1, 8, 2), (16, 8, 2)]
 
-
-# --------------------------------------------------------------------------------------------------- timing
 
 # --------------------------------------------------------------------------------------------------- linear
 

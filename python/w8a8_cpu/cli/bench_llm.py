@@ -169,14 +169,6 @@ def measure(engines: Dict[int, Dict[str, Engine]], prompt_ids: torch.Tensor, pre
     if without_prefill and new_tokens < 2:
         raise ValueError("new_tokens: decode without the prompt's prefill needs at least 2 tokens")
 
-    def at_threads(key: tuple, run: Callable[[Engine], object]) -> Callable[[], object]:
-        threads, name = key
-
-        def call() -> object:
-            torch.set_num_threads(threads)
-            return run(engines[threads][name])
-        return call
-
     def decode(key: tuple, engine: Engine) -> None:
         if not without_prefill:
             generated[key] = [int(t) for t in engine.greedy(prompt_ids, new_tokens)]
@@ -189,8 +181,14 @@ def measure(engines: Dict[int, Dict[str, Engine]], prompt_ids: torch.Tensor, pre
         after_first_s[key].append(chosen_at[-1] - chosen_at[0])
 
     def timed(run: Callable[[tuple, Engine], object], what: str) -> Dict[tuple, List[float]]:
+        def at_threads(key: tuple) -> Callable[[], object]:  # the call of key = (threads, name), at its thread count
+            def call() -> object:
+                torch.set_num_threads(key[0])
+                return run(key, engines[key[0]][key[1]])
+            return call
+
         progress.step(f"{what} warm-up")
-        calls = {key: at_threads(key, lambda engine, key=key: run(key, engine)) for key in candidates}
+        calls = {key: at_threads(key) for key in candidates}
         return interleaved(calls, rounds, WARMUP_ROUNDS, on_round=lambda r: progress.step(f"{what} round {r}/{rounds}"))
 
     decode_s = timed(decode, "decode")

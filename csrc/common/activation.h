@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "float_convert.h"
 #include "microkernel.h"
 
 namespace w8a8_cpu {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "attention_key_block.h"
+#include "float_convert.h"
 #include "microkernel.h"
 
 namespace w8a8_cpu {

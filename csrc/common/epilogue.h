@@ -9,6 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "float_convert.h"
 #include "microkernel.h"
 
 namespace w8a8_cpu {

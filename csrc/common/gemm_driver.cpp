@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "activation.h"
+#include "float_convert.h"
 #include "ref_kernel.h"
 
 namespace w8a8_cpu {

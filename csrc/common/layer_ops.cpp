@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "activation.h"
+#include "float_convert.h"
 #include "gemm_driver.h"
 
 namespace w8a8_cpu {

@@ -219,13 +219,4 @@ inline void with_row_count(int m, F&& f) {
   f(std::integral_constant<int, MaxM>{});
 }
 
-// Scalar helpers shared by the reference kernels and the driver (baseline ISA).
-float load_as_float(const void* x, FloatKind kind, int64_t i);
-// y[i] = v[i] for i < n in `kind`: one dispatch per row, loops the compiler vectorizes.
-void store_row_from_float(void* y, FloatKind kind, const float* v, int64_t n);
-uint16_t float_to_bf16_bits(float v);  // round to nearest even, NaN stays NaN
-uint16_t float_to_f16_bits(float v);   // round to nearest even, overflow -> Inf, NaN stays NaN
-float bf16_bits_to_float(uint16_t h);
-float f16_bits_to_float(uint16_t h);
-
 }  // namespace w8a8_cpu

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "float_convert.h"
+
 namespace w8a8_cpu {
 namespace {
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cpu_features.h"
+#include "float_convert.h"
 
 namespace w8a8_cpu {
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "float_convert.h"
 #include "microkernel.h"
 #include "ref_kernel.h"
 

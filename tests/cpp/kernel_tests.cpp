@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "float_convert.h"
 #include "gemm_driver.h"
 #include "layer_ops.h"
 #include "ref_kernel.h"
@@ -776,6 +777,61 @@ std::string rejection(const MicroKernel& kern, const uint8_t* blob, int64_t nbyt
   }
 }
 
+// The bits of float -> bf16 / fp16 (float_convert.h's rule) against round-to-nearest-even computed in double, over a
+// sweep of float bit patterns (every sign, exponent and the mantissas' low and high bits, ties among them), and a row
+// through store_row_from_float (the loop the compiler vectorizes) against the scalar rule element by element.
+uint16_t rounded_bits_reference(float v, int mantissa_bits, int min_exponent, int max_exponent) {
+  const uint32_t sign = std::signbit(v) ? 1u << 15 : 0u;
+  const int exponent_bits = 15 - mantissa_bits;
+  const uint32_t inf = ((1u << exponent_bits) - 1) << mantissa_bits;
+  if (std::isnan(v)) return 0;  // checked apart
+  double a = std::fabs(static_cast<double>(v));
+  if (a == 0) return static_cast<uint16_t>(sign);
+  if (std::isinf(a)) return static_cast<uint16_t>(sign | inf);
+  const int e = std::max(std::ilogb(a), min_exponent);
+  const double ulp = std::ldexp(1.0, e - mantissa_bits);
+  a = std::nearbyint(a / ulp) * ulp;  // exact quotient (24 significant bits), rounded to nearest even
+  if (a >= std::ldexp(1.0, max_exponent + 1)) return static_cast<uint16_t>(sign | inf);
+  if (a < std::ldexp(1.0, min_exponent))  // subnormal (or zero): a / 2^(min_exponent - mantissa_bits)
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(a / std::ldexp(1.0, min_exponent - mantissa_bits)));
+  const int ea = std::ilogb(a);
+  const uint32_t mantissa = static_cast<uint32_t>(std::ldexp(a, mantissa_bits - ea)) - (1u << mantissa_bits);
+  const uint32_t biased = static_cast<uint32_t>(ea + (1 << (exponent_bits - 1)) - 1);
+  return static_cast<uint16_t>(sign | biased << mantissa_bits | mantissa);
+}
+
+void test_float_conversions() {
+  std::vector<float> values;
+  for (uint64_t b = 0; b <= 0xffffffffull; b += 0x1001) values.push_back(float_of_bits(static_cast<uint32_t>(b)));
+  for (uint32_t high = 0; high < 0x10000; high += 7)  // bf16 ties and their neighbours, fp16's at 13 bits
+    for (uint32_t low : {0x7fffu, 0x8000u, 0x8001u, 0x0fffu, 0x1000u, 0x1001u, 0x3000u})
+      values.push_back(float_of_bits(high << 16 | low));
+  for (float v : {65504.f, 65519.99f, 65520.f, 65536.f, 6.1035156e-05f, 5.9604645e-08f, 2.9802322e-08f,
+                  2.9802326e-08f, INFINITY, -INFINITY, NAN, -NAN})
+    values.push_back(v);
+  int64_t bf16_wrong = 0, f16_wrong = 0, nan_wrong = 0, row_wrong = 0;
+  for (float v : values) {
+    const uint16_t bf = float_to_bf16_bits(v), h = float_to_f16_bits(v);
+    if (std::isnan(v)) {
+      nan_wrong += !std::isnan(bf16_bits_to_float(bf)) || (h & 0x7fffu) != 0x7e00u ||
+                   (h >> 15) != (bits_of_float(v) >> 31);
+      continue;
+    }
+    bf16_wrong += bf != rounded_bits_reference(v, 7, -126, 127);
+    f16_wrong += h != rounded_bits_reference(v, 10, -14, 15);
+  }
+  const int64_t n = static_cast<int64_t>(values.size());
+  std::vector<uint16_t> row(n);
+  for (FloatKind kind : {FloatKind::bf16, FloatKind::f16}) {
+    store_row_from_float(row.data(), kind, values.data(), n);
+    for (int64_t i = 0; i < n; ++i) row_wrong += row[i] != bits16_of(kind, values[i]);
+  }
+  CHECK(bf16_wrong + f16_wrong + nan_wrong + row_wrong == 0,
+        "float conversions: %" PRId64 " bf16, %" PRId64 " fp16, %" PRId64 " NaN, %" PRId64 " row values wrong",
+        bf16_wrong, f16_wrong, nan_wrong, row_wrong);
+  std::printf("  float -> bf16 / fp16: %" PRId64 " values, round to nearest even as in double\n", n);
+}
+
 void test_crc32c() {
   const char* check = "123456789";  // CRC-32C check value 0xe3069283
   CHECK(crc32c(0, check, 9) == 0xe3069283u && crc32c_portable(0, check, 9) == 0xe3069283u, "crc32c check value");
@@ -1014,6 +1070,7 @@ int run(int argc, char** argv) {
     return 1;
   }
   test_crc32c();
+  test_float_conversions();
   test_dynamic_for_threads_and_hooks();
   test_driver_identical(runnable, seed, {7, 45, 301});
   // prefill: wide_tile where a variant has it (8 panels: two runs of 4; 11 panels: two runs and 3 alone, the last

@@ -47,7 +47,7 @@ def test_switch_values(monkeypatch, value, mode):
 
 def test_bench_serve_tables_give_the_plugins_ratio_to_vllms_own():
     from w8a8_cpu.cli.bench_serve import format_tables
-    row = dict(model="m", threads=1, concurrency=8, ttft_s=0.1, tpot_s=0.02, failed=0)
+    row = dict(model="m", threads=1, concurrency=8, ttft_s=0.1, tpot_s=0.02, failed=0, round=0)
     rows = [{**row, "mode": "1", "output_tok_s": 150.0}, {**row, "mode": "0", "output_tok_s": 100.0}]
     profiles = [{**row, "mode": "1", "linear_ms": 30.0, "wall_ms": 100.0}, {**row, "mode": "0", "linear_ms": 40.0,
                                                                              "wall_ms": 120.0}]
@@ -66,6 +66,21 @@ def test_bench_serve_tables_give_the_plugins_ratio_to_vllms_own():
         "",
         "soak: m, w8a8_cpu (default), concurrency 32, 600 s: 640 requests served, 0 failed; resident memory 1000 MiB "
         "after the first batch, 1012 max, 1004 at the end"]
+
+
+def test_bench_serve_rounds_take_medians_and_pair_each_ratio_with_its_round():
+    from w8a8_cpu.cli.bench_serve import _rounds, format_tables
+    assert _rounds(["all", "0"], 3) == [(0, "all"), (0, "0"), (1, "0"), (1, "all"), (2, "all"), (2, "0")]
+    row = dict(model="m", threads=2, concurrency=32, failed=0)
+    rounds = [(100.0, 90.0), (120.0, 100.0), (95.0, 100.0)]  # (plugin, own) output tok/s; ratios 1.11, 1.2, 0.95
+    rows = [{**row, "mode": mode, "round": r, "output_tok_s": tok_s, "ttft_s": 0.1 * (r + 1), "tpot_s": 0.01,
+             "failed": int(mode == "0" and r == 2)}
+            for r, pair in enumerate(rounds) for mode, tok_s in zip(("all", "0"), pair)]
+    assert format_tables(rows, [], {}).splitlines()[2:] == [
+        "| m | 2 | 32 | w8a8_cpu (W8A8_CPU_VLLM=all) | 100.0 | 200 | 10.0 | 0 | 1.11x (0.95-1.20) |",
+        "| m | 2 | 32 | vLLM's own | 100.0 | 200 | 10.0 | 1 |  |",
+        "",
+        "medians of 3 rounds (servers started in turn); plugin / own: the median of the rounds' ratios (their range)"]
 
 
 def test_bench_serve_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Tuple
 
 from . import serving
 from .options import positive_int
@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens generated a request, end of sequence ignored (default 128)")
     parser.add_argument("--requests", type=positive_int, default=2,
                         help="requests a level, times its concurrency (at least 4; default 2)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="servers a (model, threads, mode), started in turn with the other modes' (order reversed "
+                             "every other round): each level's numbers are the median over rounds, the plugin's "
+                             "ratio the median of the rounds' ratios, their range beside it (default 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="vLLM's model dtype (default bfloat16, vLLM's on CPU)")
     parser.add_argument("--hide-amx", action="store_true",
@@ -68,11 +72,17 @@ def _no_amx(args, work: Path):
     return work / "no-amx" if args.hide_amx else None
 
 
+def _rounds(modes: List[str], rounds: int) -> List[Tuple[int, str]]:
+    """(round, mode) in the order their servers run: every mode each round, the order reversed every other round
+    (a drift of the machine's speed over the run then favours no mode)."""
+    return [(r, mode) for r in range(rounds) for mode in (modes if r % 2 == 0 else modes[::-1])]
+
+
 def serve_matrix(args, work: Path) -> List[dict]:
     rows = []
     for model in args.models:
         for threads in args.threads:
-            for mode in args.modes:
+            for round_, mode in _rounds(args.modes, args.rounds):
                 with serving.vllm_server(model, work / "server.log", threads, mode, cache_root=work / "vllm-cache",
                                          hide_amx_in=_no_amx(args, work), max_num_seqs=max(args.concurrency),
                                          extra_args=["--dtype", args.dtype]) as server:
@@ -81,7 +91,7 @@ def serve_matrix(args, work: Path) -> List[dict]:
                         requests = max(4, args.requests * concurrency)
                         load = serving.run_load(server, _prompts(requests, args.prompt_tokens), args.output_tokens,
                                                 concurrency)
-                        rows.append({"model": Path(model).name, "threads": threads, "mode": mode,
+                        rows.append({"model": Path(model).name, "threads": threads, "mode": mode, "round": round_,
                                      "concurrency": concurrency, "requests": requests, "failed": load.failed,
                                      "output_tok_s": load.output_tok_s, "ttft_s": _median(load.ttft_s),
                                      "tpot_s": _median(load.tpot_s)})
@@ -136,7 +146,7 @@ def profile_matrix(args, work: Path) -> List[dict]:
                         raise RuntimeError(f"profile of {model} ({mode}, {threads} threads) failed:\n"
                                            f"{child.stderr[-3000:]}")
                     result = json.loads(child.stdout.strip().splitlines()[-1])
-                    rows.append({"model": Path(model).name, "threads": threads, "mode": mode,
+                    rows.append({"model": Path(model).name, "threads": threads, "mode": mode, "round": 0,
                                  "concurrency": concurrency, **result})
                     print(f"  profile {rows[-1]['model']}, {threads} thread(s), {MODES[mode]}, concurrency "
                           f"{concurrency}: linear/MoE ops {result['linear_ms']:.0f} of {result['wall_ms']:.0f} ms",
@@ -167,29 +177,51 @@ def soak(args, work: Path) -> dict:
             "served": served, "failed": failed, "samples": samples}
 
 
-def _table(columns: List[str], items: List[dict], value, cells) -> List[str]:
-    """A markdown table of serving or profile results: per item its model, threads, concurrency and mode, cells(item),
-    and value(item) over vLLM's own (mode "0") at the same model, threads and concurrency."""
-    def key(item):
-        return item["model"], item["threads"], item["concurrency"]
+def combine_rounds(items: List[dict], value: str, fields: List[str]) -> List[dict]:
+    """One item per model, threads, concurrency and mode (first-seen order): the median over its rounds of `fields`,
+    failures summed, and (modes but vLLM's own) `ratios`: value over vLLM's own in the same round, sorted."""
+    cells: Dict[tuple, List[dict]] = {}
+    for i in items:
+        cells.setdefault((i["model"], i["threads"], i["concurrency"], i["mode"]), []).append(i)
+    combined = []
+    for (model, threads, concurrency, mode), runs in cells.items():
+        own = {o["round"]: o[value] for o in cells.get((model, threads, concurrency, "0"), [])}
+        ratios = sorted(r[value] / own[r["round"]] for r in runs if mode != "0" and r["round"] in own)
+        combined.append({"model": model, "threads": threads, "concurrency": concurrency, "mode": mode,
+                         "rounds": len(runs), "failed": sum(r.get("failed", 0) for r in runs), "ratios": ratios,
+                         **{f: _median([r[f] for r in runs]) for f in fields}})
+    return combined
 
-    own = {key(i): i for i in items if i["mode"] == "0"}
+
+def _table(columns: List[str], items: List[dict], cells) -> List[str]:
+    """A markdown table of combine_rounds' items: per item its model, threads, concurrency and mode, cells(item), and
+    the plugin's ratio to vLLM's own (the median of the rounds', their range when there are several)."""
+    def ratio(item):
+        r = item["ratios"]
+        if not r:
+            return ""
+        spread = f" ({r[0]:.2f}-{r[-1]:.2f})" if len(r) > 1 else ""
+        return f"{_median(r):.2f}x{spread}"
+
     lines = ["| model | threads | concurrency | mode | " + " | ".join(columns) + " | plugin / own |",
              "|---|---:|---:|---|" + "---:|" * len(columns) + "---:|"]
     for i in items:
-        base = own.get(key(i))
-        ratio = f"{value(i) / value(base):.2f}x" if base and i["mode"] != "0" else ""
         lines.append(f"| {i['model']} | {i['threads']} | {i['concurrency']} | {MODES[i['mode']]} | "
-                     + " | ".join(cells(i)) + f" | {ratio} |")
+                     + " | ".join(cells(i)) + f" | {ratio(i)} |")
     return lines
 
 
 def format_tables(rows: List[dict], profiles: List[dict], soaked: dict) -> str:
-    lines = _table(["output tok/s", "TTFT ms", "TPOT ms", "failed"], rows, lambda r: r["output_tok_s"],
+    served = combine_rounds(rows, "output_tok_s", ["output_tok_s", "ttft_s", "tpot_s"])
+    lines = _table(["output tok/s", "TTFT ms", "TPOT ms", "failed"], served,
                    lambda r: [f"{r['output_tok_s']:.1f}", f"{r['ttft_s'] * 1e3:.0f}", f"{r['tpot_s'] * 1e3:.1f}",
                               str(r["failed"])])
+    if max((r["rounds"] for r in served), default=1) > 1:
+        lines += ["", f"medians of {served[0]['rounds']} rounds (servers started in turn); plugin / own: the median "
+                      "of the rounds' ratios (their range)"]
     if profiles:
-        lines += [""] + _table(["linear/MoE ops ms", "engine ms", "share"], profiles, lambda p: p["linear_ms"],
+        lines += [""] + _table(["linear/MoE ops ms", "engine ms", "share"],
+                               combine_rounds(profiles, "linear_ms", ["linear_ms", "wall_ms"]),
                                lambda p: [f"{p['linear_ms']:.0f}", f"{p['wall_ms']:.0f}",
                                           f"{p['linear_ms'] / p['wall_ms']:.0%}"])
     if soaked:

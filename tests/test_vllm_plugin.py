@@ -69,7 +69,7 @@ def test_bench_serve_tables_give_the_plugins_ratio_to_vllms_own():
 
 
 def test_bench_serve_rounds_take_medians_and_pair_each_ratio_with_its_round():
-    from w8a8_cpu.cli.bench_serve import _rounds, format_tables
+    from w8a8_cpu.cli.bench_serve import _rounds, combine_rounds, format_tables
     assert _rounds(["all", "0"], 3) == [(0, "all"), (0, "0"), (1, "0"), (1, "all"), (2, "all"), (2, "0")]
     row = dict(model="m", threads=2, concurrency=32, failed=0)
     rounds = [(100.0, 90.0), (120.0, 100.0), (95.0, 100.0)]  # (plugin, own) output tok/s; ratios 1.11, 1.2, 0.95
@@ -81,6 +81,8 @@ def test_bench_serve_rounds_take_medians_and_pair_each_ratio_with_its_round():
         "| m | 2 | 32 | vLLM's own | 100.0 | 200 | 10.0 | 1 |  |",
         "",
         "medians of 3 rounds (servers started in turn); plugin / own: the median of the rounds' ratios (their range)"]
+    rows[1]["output_tok_s"] = 0.0  # round 0: every request of vLLM's own failed
+    assert combine_rounds(rows, "output_tok_s", ["output_tok_s"])[0]["ratios"] == [0.95, 1.2]
 
 
 def test_bench_serve_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):

@@ -179,14 +179,16 @@ def soak(args, work: Path) -> dict:
 
 def combine_rounds(items: List[dict], value: str, fields: List[str]) -> List[dict]:
     """One item per model, threads, concurrency and mode (first-seen order): the median over its rounds of `fields`,
-    failures summed, and (modes but vLLM's own) `ratios`: value over vLLM's own in the same round, sorted."""
+    failures summed, and (modes but vLLM's own) `ratios`: value over vLLM's own in the same round, sorted (a round
+    where vLLM's own value is 0, every request failed, gives none)."""
     cells: Dict[tuple, List[dict]] = {}
     for i in items:
         cells.setdefault((i["model"], i["threads"], i["concurrency"], i["mode"]), []).append(i)
     combined = []
     for (model, threads, concurrency, mode), runs in cells.items():
         own = {o["round"]: o[value] for o in cells.get((model, threads, concurrency, "0"), [])}
-        ratios = sorted(r[value] / own[r["round"]] for r in runs if mode != "0" and r["round"] in own)
+        ratios = sorted(r[value] / own[r["round"]] for r in runs
+                        if mode != "0" and own.get(r["round"], 0) > 0)  # none where vLLM's own served nothing
         combined.append({"model": model, "threads": threads, "concurrency": concurrency, "mode": mode,
                          "rounds": len(runs), "failed": sum(r.get("failed", 0) for r in runs), "ratios": ratios,
                          **{f: _median([r[f] for r in runs]) for f in fields}})

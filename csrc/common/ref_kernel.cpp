@@ -29,10 +29,7 @@ void ref_tile(const void* a, size_t a_row_stride, int m, const int8_t* panel, co
 uint32_t ref_row_absmax_bits(const void* x, FloatKind kind, int64_t k) {
   uint32_t m = 0;
   for (int64_t i = 0; i < k; ++i) {
-    uint32_t b;
-    const float v = load_as_float(x, kind, i);
-    std::memcpy(&b, &v, 4);
-    m = std::max(m, b & 0x7fffffffu);
+    m = std::max(m, bits_of_float(load_as_float(x, kind, i)) & 0x7fffffffu);
   }
   return m;
 }

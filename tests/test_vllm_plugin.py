@@ -148,48 +148,74 @@ def test_what_cannot_apply_changes_nothing_and_says_so_in_one_line(setup, env, w
     assert len(result["records"]) == 1 and result["records"][0].startswith(warning), result["records"]
 
 
-# ---- every served layer equals w8a8_cpu's own layer on the same checkpoint --------------------------------------
+# ---- vLLM engines on tiny checkpoints, many in one child ----------------------------------------------------------
 
-# In a child, vLLM in this process (vllm_served.on_engine): every layer vLLM built with w8a8_cpu's kernel or scheme
-# against w8a8_cpu's own layers loaded from the same checkpoint (vllm_served.compare_served_layers). Prints a JSON line
-# {"equal": {kind: count of layers equal}, "mismatches": [the first three others]}.
-LAYERS = """
-import json, sys
-sys.path.insert(0, sys.argv[2])
+# In a child, vLLM in this process (vllm_served.on_engine, each engine torn down before the next): for each argument
+# "layers:PATH" every layer vLLM built with w8a8_cpu's kernel or scheme against w8a8_cpu's own layers loaded from the
+# same checkpoint (vllm_served.compare_served_layers: {"equal": {kind: count of layers equal}, "mismatches": [the first
+# three others]}); for "load:PATH" the load alone (null). A JSON line a case: {"case": ARGUMENT, "result": ...} or,
+# where the engine raised, {"case": ARGUMENT, "error": the exception with its causes, as a traceback prints them}.
+# One child for many engines: each child pays vLLM's import (~15-30 s), an engine on a tiny checkpoint a few seconds.
+ENGINES = """
+import json, sys, traceback
+sys.path.insert(0, sys.argv[1])
 from vllm_served import compare_served_layers, on_engine
 from w8a8_cpu.llm import load_quantized
-ours = dict(load_quantized(sys.argv[1]).named_modules())
-print(json.dumps(on_engine(sys.argv[1], lambda llm: compare_served_layers(llm, ours))))
+for case in sys.argv[2:]:
+    what, checkpoint = case.split(":", 1)
+    try:
+        if what == "layers":
+            ours = dict(load_quantized(checkpoint).named_modules())
+            line = {"result": on_engine(checkpoint, lambda llm: compare_served_layers(llm, ours))}
+        else:
+            line = {"result": on_engine(checkpoint)}
+    except Exception as e:
+        line = {"error": "".join(traceback.format_exception(e))}
+    print(json.dumps({"case": case, **line}), flush=True)
 """
 TESTS = str(Path(__file__).resolve().parent)
 
 
-def served_layers(checkpoint: Path, tmp_path: Path, switch: str) -> dict:
-    child = run_python(LAYERS, str(checkpoint), TESTS, **engine_env(tmp_path, switch))
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+def on_engines(cases: list, tmp_path: Path, switch: str) -> dict:
+    """ENGINES' outcome of each case ("layers:PATH" or "load:PATH") in one child: {case: its JSON line}."""
+    child = run_python(ENGINES, TESTS, *cases, timeout=300 + 60 * len(cases), **engine_env(tmp_path, switch))
+    lines = [json.loads(line) for line in child.stdout.splitlines() if line.startswith('{"case"')]
+    assert child.returncode == 0 and len(lines) == len(cases), child.stderr[-4000:]
+    return {line["case"]: line for line in lines}
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("dynamic", {"int8:W8A8CpuInt8Scheme": 8}),   # 2 layers x q/k/v, o, gate/up, down
-    ("static", {"int8:W8A8CpuInt8Scheme": 8}),
-    ("static-asymmetric", {"int8:W8A8CpuInt8Scheme": 8}),
-    ("w4a8", {"W8A8CpuW4A8": 8}),
-    ("moe", {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2}),  # attention linears, each layer's experts
-    ("moe-w4a8", {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}),
-])
-def test_every_served_layer_equals_w8a8_cpus_own_layer(tmp_path, kind, expected):
+def served_layers(checkpoints: list, tmp_path: Path, switch: str) -> list:
+    """compare_served_layers' result for each checkpoint, their engines in one child."""
+    cases = [f"layers:{checkpoint}" for checkpoint in checkpoints]
+    outcomes = on_engines(cases, tmp_path, switch)
+    for case in cases:
+        assert "result" in outcomes[case], outcomes[case]["error"][-4000:]
+    return [outcomes[case]["result"] for case in cases]
+
+
+LAYER_KINDS = {
+    "dynamic": {"int8:W8A8CpuInt8Scheme": 8},  # 2 layers x q/k/v, o, gate/up, down
+    "static": {"int8:W8A8CpuInt8Scheme": 8},
+    "static-asymmetric": {"int8:W8A8CpuInt8Scheme": 8},
+    "w4a8": {"W8A8CpuW4A8": 8},
+    "moe": {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2},  # attention linears, each layer's experts
+    "moe-w4a8": {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def served_layers_of_every_kind(tmp_path_factory):
+    """{kind: served_layers' result} for every kind of LAYER_KINDS, the plugin serving all (one child)."""
     require_vllm()
-    checkpoint = tiny_checkpoint(tmp_path / kind, kind)
-    assert served_layers(checkpoint, tmp_path, "all") == {"equal": expected, "mismatches": []}
+    tmp_path = tmp_path_factory.mktemp("layers")
+    kinds = list(LAYER_KINDS)
+    results = served_layers([tiny_checkpoint(tmp_path / kind, kind) for kind in kinds], tmp_path, "all")
+    return dict(zip(kinds, results))
 
 
-VLLM_LOADS = """
-import sys
-sys.path.insert(0, sys.argv[2])
-from vllm_served import on_engine
-on_engine(sys.argv[1])
-"""
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_every_served_layer_equals_w8a8_cpus_own_layer(served_layers_of_every_kind, kind):
+    assert served_layers_of_every_kind[kind] == {"equal": LAYER_KINDS[kind], "mismatches": []}
 
 
 def tensor_edit(key: str, value=None, dtype=None):
@@ -234,56 +260,73 @@ DOWN, EXPERT_W2 = "model.layers.1.mlp.down_proj", "model.layers.1.block_sparse_m
 PACKED_W2 = f"{EXPERT_W2}.weight_packed"
 
 
-@pytest.mark.parametrize("kind, edit, error", [
-    ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 0.0),
+# Checkpoints load_quantized refuses, each a tiny one of a kind, edited: {case id: (kind, edit, the ValueError)}
+REFUSALS = {
+    "scale-0": ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 0.0),
      f"{DOWN}.weight_scale: holds a weight scale that is not finite and > 0"),
-    ("w4a8", tensor_edit(f"{DOWN}.weight_scale", -1.0),
+    "int4-scale-negative": ("w4a8", tensor_edit(f"{DOWN}.weight_scale", -1.0),
      f"{DOWN}.weight_scale: holds a weight scale that is not finite and > 0"),
-    ("moe", tensor_edit(f"{EXPERT_W2}.weight_scale", 0.0),
+    "moe-scale-0": ("moe", tensor_edit(f"{EXPERT_W2}.weight_scale", 0.0),
      "model.layers.1.block_sparse_moe.experts.w2_weight_scale: holds a weight scale that is not finite and > 0"),
-    ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 3e38),
+    "scale-overflows": ("dynamic", tensor_edit(f"{DOWN}.weight_scale", 3e38),
      f"{DOWN}.weight_scale: holds a scale whose weights (128 x the scale) overflow fp32"),
-    ("static", tensor_edit(f"{DOWN}.input_scale", float("inf")),
+    "input-scale-inf": ("static", tensor_edit(f"{DOWN}.input_scale", float("inf")),
      f"{DOWN}: input_scale: expected one finite float > 0, got inf"),
-    ("static", tensors_edit(lambda t: t.update({"model.layers.1.mlp.gate_proj.input_scale":
-                                                t["model.layers.1.mlp.gate_proj.input_scale"] * 2})),
+    "fused-input-scales-differ": ("static", tensors_edit(lambda t: t.update(
+        {"model.layers.1.mlp.gate_proj.input_scale": t["model.layers.1.mlp.gate_proj.input_scale"] * 2})),
      "model.layers.1.mlp.gate_up_proj: input_scale / input_zero_point: the fused parts' static activation parameters "
      "differ"),
-    ("static-asymmetric", tensor_edit("model.layers.1.self_attn.o_proj.input_zero_point", [300], torch.int32),
+    "zero-point-300": ("static-asymmetric",
+                       tensor_edit("model.layers.1.self_attn.o_proj.input_zero_point", [300], torch.int32),
      "model.layers.1.self_attn.o_proj: input_zero_point: expected one integer in [-128, 127]"),
-    ("dynamic", tensor_edit(f"{DOWN}.weight", dtype=torch.int16),
+    "int16-weight": ("dynamic", tensor_edit(f"{DOWN}.weight", dtype=torch.int16),
      f"{DOWN}.weight: the checkpoint's tensor is int16; expected int8"),
-    ("w4a8", tensor_edit("model.layers.0.self_attn.k_proj.weight_shape", [256, 128], torch.int64),
+    "int4-weight-shape": ("w4a8",
+                          tensor_edit("model.layers.0.self_attn.k_proj.weight_shape", [256, 128], torch.int64),
      "model.layers.0.self_attn.qkv_proj.weight_shape: the checkpoint's tensor is int64 [256, 128]; expected int64 or "
      "int32 [128, 256]"),
-    ("moe-w4a8", tensor_edit(f"{EXPERT_W2}.weight_shape", [512, 256], torch.int64),
+    "moe-int4-weight-shape": ("moe-w4a8", tensor_edit(f"{EXPERT_W2}.weight_shape", [512, 256], torch.int64),
      "model.layers.1.block_sparse_moe.experts.w2_weight_shape: the checkpoint's tensor is int64 [512, 256]; expected "
      "int64 or int32 [256, 512]"),
-    ("dynamic", config_edit("input_activations.type", "float"),
+    "float-activations": ("dynamic", config_edit("input_activations.type", "float"),
      "model.layers.0.self_attn.qkv_proj: load_quantized refuses this checkpoint: config.json quantization_config: "
      "config_groups['group_0'].input_activations.type is 'float'"),
-    ("dynamic", tensors_edit(lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")),
+    "missing-part": ("dynamic", tensors_edit(lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")),
      "model.layers.1.self_attn.qkv_proj: weight: the checkpoint holds 2 of its 3 parts (['q', 'v']); a tensor is "
      "missing"),
-    ("moe-w4a8", tensors_edit(lambda t: t.update({PACKED_W2: t[PACKED_W2][:, 1:].contiguous()})),
+    "moe-narrower-tensor": ("moe-w4a8",
+                            tensors_edit(lambda t: t.update({PACKED_W2: t[PACKED_W2][:, 1:].contiguous()})),
      "model.layers.1.block_sparse_moe.experts.w2_weight_packed: the checkpoint's tensor is int32 [256, 63]; expected "
      "int32 [256, 64]"),
-], ids=["scale-0", "int4-scale-negative", "moe-scale-0", "scale-overflows", "input-scale-inf",
-        "fused-input-scales-differ", "zero-point-300", "int16-weight", "int4-weight-shape", "moe-int4-weight-shape",
-        "float-activations", "missing-part", "moe-narrower-tensor"])
-def test_a_checkpoint_load_quantized_refuses_stops_the_load_naming_the_layer(tmp_path, kind, edit, error):
+}
+
+
+@pytest.fixture(scope="module")
+def refused_loads(tmp_path_factory):
+    """{case id: ENGINES' JSON line} for each of REFUSALS' checkpoints loaded by vLLM with the plugin serving all
+    (one child)."""
+    require_vllm()
+    tmp_path = tmp_path_factory.mktemp("refusals")
+    cases = {}
+    for case_id, (kind, edit, _) in REFUSALS.items():
+        checkpoint = tiny_checkpoint(tmp_path / case_id, kind)
+        edit(checkpoint)
+        cases[case_id] = f"load:{checkpoint}"
+    outcomes = on_engines(list(cases.values()), tmp_path, "all")
+    return {case_id: outcomes[case] for case_id, case in cases.items()}
+
+
+@pytest.mark.parametrize("case_id", REFUSALS)
+def test_a_checkpoint_load_quantized_refuses_stops_the_load_naming_the_layer(refused_loads, case_id):
     """An untrusted checkpoint through vLLM, edited where load_quantized refuses it (found by tests/hostile's vllm
     surface): the plugin refuses it at load with a ValueError naming the layer and the parameter, before anything is
     served. vLLM alone takes each of them: its loaders convert a tensor to the parameter's dtype (an int32 zero point
     300 became int8 44), keep one of the fused parts' activation scales and weight shapes, count a fused parameter
     loaded when one part is (the others left as allocated), copy what fits of an expert's narrower tensor, and read
     int8 tensors whatever the config's type says."""
-    require_vllm()
-    checkpoint = tiny_checkpoint(tmp_path / kind, kind)
-    edit(checkpoint)
-    child = run_python(VLLM_LOADS, str(checkpoint), TESTS, **engine_env(tmp_path, "all"))
-    assert child.returncode != 0
-    assert f"ValueError: {error}" in child.stderr, child.stderr[-3000:]
+    outcome = refused_loads[case_id]
+    assert "error" in outcome, f"vLLM loaded it: {outcome}"
+    assert f"ValueError: {REFUSALS[case_id][2]}" in outcome["error"], outcome["error"][-3000:]
 
 
 def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
@@ -291,12 +334,11 @@ def test_the_default_leaves_to_vllm_what_it_runs_on_amx(tmp_path):
     the int4 MoE (which vLLM cannot run on x86) is ours; without AMX the default serves them all."""
     require_vllm()
     amx = torch.cpu._is_amx_tile_supported()
-    checkpoint = tiny_checkpoint(tmp_path / "moe", "moe")
-    assert served_layers(checkpoint, tmp_path, "1") == {
-        "equal": {} if amx else {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2}, "mismatches": []}
-    checkpoint = tiny_checkpoint(tmp_path / "moe-w4a8", "moe-w4a8")
-    assert served_layers(checkpoint, tmp_path, "1") == {
-        "equal": {"W8A8CpuW4A8MoE": 2} if amx else {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2}, "mismatches": []}
+    dense_moe, int4_moe = served_layers([tiny_checkpoint(tmp_path / kind, kind) for kind in ("moe", "moe-w4a8")],
+                                        tmp_path, "1")
+    assert dense_moe == {"equal": {} if amx else {"int8:W8A8CpuInt8Scheme": 4, "W8A8CpuMoE": 2}, "mismatches": []}
+    assert int4_moe == {"equal": {"W8A8CpuW4A8MoE": 2} if amx else {"W8A8CpuW4A8": 4, "W8A8CpuW4A8MoE": 2},
+                        "mismatches": []}
 
 
 # ---- a real server, a real client -------------------------------------------------------------------------------

@@ -16,6 +16,10 @@
 # W8A8_CI_SKIP_EMULATION=1 skips stages 4-5 and the aarch64 conda package (quick local runs; CI never sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The two sides share 2 cores: torch's OpenMP threads sleep while they wait instead of spinning, or a 2-thread test
+# beside qemu spins away its time slices (tests of ops, bench and W4A8 beside one busy process: 96 s spinning, 43 s
+# passive, 38 s alone). No test measures speed.
+export OMP_WAIT_POLICY=PASSIVE
 T0=$SECONDS
 section() { echo; echo "===== [$((SECONDS - T0))s] $*"; }
 

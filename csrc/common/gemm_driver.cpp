@@ -393,12 +393,12 @@ void gemm_packed(const MicroKernel& kernel, const uint8_t* a_packed, int64_t a_s
   int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(macs_per_task, 1));
   if (two_panels) {
     // Decode streams each panel once from memory: where few threads share the panels, claims up to 4x larger while
-    // each thread still gets kDecodeClaimsPerThread of them (2 threads, Zen3, M = 1, 4096 k, in a layer stack: W8A8
-    // 90-104% -> 94-109% of the read bandwidth, W4A8 82-99% -> 89-106%; 1 thread: no change). Many threads keep the
-    // claims above. The thread bound is rounded down to an even count, the claims above up, as before. Counted in
-    // int8 panels' bytes (the time a claim takes from memory): an int4 panel holds about half as many, so its claims
-    // take twice the panels (a thread's claims take the same time as with int8 weights; 2 threads, M = 1, Xeon, in a
-    // layer stack, three runs each side: W4A8 / W8A8 time 0.58-0.63 -> 0.58-0.60; 1 thread: no change).
+    // each thread still gets kDecodeClaimsPerThread claims' worth of int8 panel bytes (2 threads, Zen3, M = 1, 4096 k,
+    // in a layer stack: W8A8 90-104% -> 94-109% of the read bandwidth, W4A8 82-99% -> 89-106%; 1 thread: no change).
+    // Many threads keep the claims above. The thread bound is rounded down to an even count, the claims above up. An
+    // int4 panel holds about half an int8 panel's bytes, so its claims take twice the panels and as long from memory
+    // (each thread gets half as many; 2 threads, M = 1, Xeon, in a layer stack, three runs each side: W4A8 / W8A8 time
+    // 0.58-0.63 -> 0.58-0.60; 1 thread: no change).
     const int64_t panels_per_int8_panel = w.int4() ? 2 : 1;
     const int64_t per_thread_bound =
         panels * panels_per_int8_panel / (kDecodeClaimsPerThread * parallel_for.threads) / 2 * 2;
